@@ -1,0 +1,409 @@
+"""A real single-node Slurm on this machine, for development, tests, the Slurm launcher and the hub's batchspawner.
+
+    sudo scalelab cluster up           # munged + slurmctld + slurmd; prints the line below
+    export SLURM_CONF=~/.cache/scalelab/cluster/slurm.conf
+    sbatch -n 2 --wrap 'srun hostname'
+    scalelab cluster status            # or --json; exit 3 when down
+    sudo scalelab cluster down
+
+Everything (slurm.conf, the munge key and socket, spool, logs, pid files) lives in one state directory, by default
+$SCALELAB_CLUSTER_DIR or ~/.cache/scalelab/cluster. A client process needs only `LocalCluster.env()`: SLURM_CONF.
+The configuration itself (and why each setting) is in `scalelab.cluster_conf`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cluster_conf import StatePaths, detect_machine, gres_conf_text, slurm_conf_text
+from .errors import ClusterError
+
+__all__ = ["LocalCluster", "default_state_dir", "slurm_conf_text", "add_cli"]
+
+DAEMONS = ("munged", "slurmctld", "slurmd")  # start order; stopped in reverse
+INSTALL = "apt-get install slurm-wlm munge"
+_USABLE = {"IDLE", "MIXED", "ALLOCATED", "COMPLETING", "PLANNED"}
+_UNUSABLE_FLAGS = {"DRAIN", "DRAINED", "DRAINING", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWERING_DOWN",
+                   "POWER_DOWN", "INVALID_REG", "REBOOT_REQUESTED"}
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+
+
+def default_state_dir() -> Path:
+    """$SCALELAB_CLUSTER_DIR, else ~/.cache/scalelab/cluster (never inside the repository)."""
+    env = os.environ.get("SCALELAB_CLUSTER_DIR", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "scalelab" / "cluster"
+
+
+def _kv(line: str) -> dict[str, str]:
+    """One `scontrol show ... -o` line as a dict (values may contain spaces)."""
+    return dict(re.findall(r"(\w[\w:/]*)=(.*?)(?= \w[\w:/]*=|$)", line.strip()))
+
+
+def _gpus(tres: str) -> int:
+    m = re.search(r"gres/gpu=(\d+)", tres or "")
+    return int(m.group(1)) if m else 0
+
+
+class LocalCluster:
+    """munged, slurmctld and slurmd on this machine, all state in one directory; `up()` and `down()` are idempotent."""
+
+    def __init__(self, state_dir: str | os.PathLike | None = None):
+        self.state_dir = Path(state_dir or default_state_dir()).expanduser().absolute()
+        self.paths = StatePaths(self.state_dir)
+        self.conf_path = self.paths.conf
+        self.log_dir = self.paths.log_dir
+
+    def __repr__(self) -> str:
+        return f"LocalCluster(state_dir={str(self.state_dir)!r})"
+
+    def env(self) -> dict[str, str]:
+        """Environment a client process (sbatch, squeue, scancel, srun) needs: only SLURM_CONF (munge is in it)."""
+        return {"SLURM_CONF": str(self.conf_path)}
+
+    # -- client commands --------------------------------------------------------------------------------------
+
+    def run(self, *cmd: str, timeout: float = 30, check: bool = True, **kw) -> subprocess.CompletedProcess:
+        """Run a Slurm client command against this cluster; raise ClusterError (with its output) when it fails."""
+        try:
+            r = subprocess.run(cmd, env={**os.environ, **self.env()}, capture_output=True, text=True,
+                               timeout=timeout, **kw)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"`{' '.join(cmd)}` did not answer in {timeout:g} s; see {self.paths.ctld_log}")
+        except FileNotFoundError:
+            raise ClusterError(f"{cmd[0]} not found; run `{INSTALL}`") from None
+        if check and r.returncode:
+            raise ClusterError(f"`{' '.join(cmd)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}"
+                               f"; see {self.paths.ctld_log}")
+        return r
+
+    def _nodes(self) -> list[dict]:
+        out = self.run("scontrol", "show", "node", "-o", timeout=15).stdout
+        return [_kv(line) for line in out.splitlines() if line.startswith("NodeName=")]
+
+    def _usable(self, nodes: list[dict]) -> bool:
+        def ok(state: str) -> bool:
+            base, *flags = state.split("+")
+            return base.rstrip("*~#!%$@^-") in _USABLE and not _UNUSABLE_FLAGS & set(flags) \
+                and not base.endswith("*")
+        return bool(nodes) and all(ok(n.get("State", "")) for n in nodes)
+
+    # -- daemons ----------------------------------------------------------------------------------------------
+
+    def _pid_file(self, daemon: str) -> Path:
+        return {"munged": self.paths.munge_pid, "slurmctld": self.paths.ctld_pid,
+                "slurmd": self.paths.slurmd_pid}[daemon]
+
+    def _pid(self, daemon: str) -> int | None:
+        """Pid of our `daemon` from its pid file, or None if the file is missing or stale (dead or another program)."""
+        try:
+            pid = int(self._pid_file(daemon).read_text().split()[0])
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid if comm == daemon[:15] else None
+
+    def _running(self) -> dict[str, int | None]:
+        return {d: self._pid(d) for d in DAEMONS}
+
+    def _healthy(self) -> bool:
+        if not all(self._running().values()):
+            return False
+        try:
+            return self._usable(self._nodes())
+        except ClusterError:
+            return False
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Serialise up()/down() between processes (two pytest sessions may both call up())."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.paths.lock, "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _preflight(self) -> None:
+        missing = [b for b in ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "scontrol")
+                   if not shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
+        if missing:
+            raise ClusterError(f"{', '.join(missing)} not found; run `{INSTALL}`")
+        if os.geteuid() != 0:
+            raise ClusterError(
+                f"the local cluster runs munged, slurmctld and slurmd, which need root (you are uid {os.geteuid()}): "
+                "run `sudo scalelab cluster up`, or use an existing Slurm cluster instead by pointing scalelab at it "
+                "with `export SLURM_CONF=/path/to/slurm.conf` (unset means /etc/slurm/slurm.conf)")
+
+    def up(self, timeout: float = 60) -> "LocalCluster":
+        """Start munged, slurmctld and slurmd unless already healthy; return once a job runs on the node."""
+        self._preflight()
+        if self._healthy():
+            return self
+        deadline = time.monotonic() + timeout
+        with self._locked():
+            if self._healthy():  # another process brought it up while we waited for the lock
+                return self
+            self._stop_all()  # whatever is left half-started, ours only
+            self._prepare()
+            self._start("munged", ["munged", "--key-file", str(self.paths.munge_key), "--socket",
+                                   str(self.paths.munge_socket), "--pid-file", str(self.paths.munge_pid),
+                                   "--log-file", str(self.paths.munge_log), "--seed-file",
+                                   str(self.paths.munge_seed), "--force"])
+            self._check_munge()
+            self._start("slurmctld", ["slurmctld", "-f", str(self.conf_path)])
+            self._start("slurmd", ["slurmd", "-f", str(self.conf_path)])
+            self._wait_usable(deadline)
+            self._probe(deadline)
+        return self
+
+    def _prepare(self) -> None:
+        """State directories, a fresh slurm.conf for this machine, and a munge key if there is none yet."""
+        p = self.paths
+        for d in (p.log_dir, p.run_dir, p.ctld_state, p.slurmd_spool, p.munge_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        # Readable by everyone (as /etc/slurm is) so other local users can submit; the key stays 0600.
+        for d in (self.state_dir, p.log_dir, p.run_dir, p.munge_dir):
+            d.chmod(0o755)
+        m = detect_machine()
+        text = slurm_conf_text(cluster_name="scalelab", node_name=m.hostname, cpus=m.cpus,
+                               real_memory_mb=m.memory_mb, gpus=m.gpus, state_dir=self.state_dir,
+                               node_addr=m.node_addr, sockets=m.sockets, cores_per_socket=m.cores_per_socket,
+                               threads_per_core=m.threads_per_core)
+        self.conf_path.write_text(text)
+        gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus)
+        if gres:
+            p.gres_conf.write_text(gres)
+        if not p.munge_key.exists():
+            fd = os.open(p.munge_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(128))
+
+    def _start(self, daemon: str, cmd: list[str]) -> None:
+        """Start one daemon (it forks into the background itself) and wait for its pid file."""
+        out = self.paths.log_dir / f"{daemon}.start.txt"
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(Path.home()), "LANG": "C.UTF-8"}
+        with open(out, "w") as f:
+            rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=60).returncode
+        log = self.paths.log_dir / f"{daemon}.log"
+        for _ in range(100):
+            if self._pid(daemon):
+                return
+            if rc:
+                break
+            time.sleep(0.1)
+        raise ClusterError(f"{daemon} did not start (exit {rc}): {out.read_text().strip()[-400:]}; "
+                           f"command: {' '.join(cmd)}; log: {log}")
+
+    def _check_munge(self) -> None:
+        sock = str(self.paths.munge_socket)
+        cred = subprocess.run(["munge", "-n", "-S", sock], capture_output=True, text=True, timeout=10)
+        back = subprocess.run(["unmunge", "-S", sock], input=cred.stdout, capture_output=True, text=True, timeout=10)
+        if cred.returncode or back.returncode:
+            raise ClusterError(f"munged runs but `munge -n -S {sock} | unmunge -S {sock}` fails: "
+                               f"{(cred.stderr + back.stderr).strip()}; log: {self.paths.munge_log}")
+
+    def _wait_usable(self, deadline: float) -> None:
+        """Wait until the node is usable; resume it once if slurmctld kept it DOWN/DRAINED from an earlier run."""
+        resumed, nodes = False, []
+        while time.monotonic() < deadline:
+            for d, pid in self._running().items():
+                if not pid:
+                    log = self.log_dir / f"{d}.log"
+                    raise ClusterError(f"{d} exited during start-up; see {log}: {_tail(log)}")
+            with contextlib.suppress(ClusterError):
+                nodes = self._nodes()
+                if self._usable(nodes):
+                    return
+                states = [n.get("State", "") for n in nodes]
+                if not resumed and any(("DRAIN" in s or s.startswith("DOWN")) and "NOT_RESPONDING" not in s
+                                       for s in states):
+                    self.run("scontrol", "update", f"NodeName={nodes[0]['NodeName']}", "State=RESUME", check=False)
+                    resumed = True
+            time.sleep(0.2)
+        found = "; ".join(f"{n.get('NodeName')}: {n.get('State')} {n.get('Reason', '')}".strip() for n in nodes)
+        raise ClusterError(f"the node did not become usable in time (found {found or 'no node'}); see "
+                           f"`SLURM_CONF={self.conf_path} scontrol show node` and {self.paths.slurmd_log}")
+
+    def _probe(self, deadline: float) -> None:
+        """Run one tiny job through slurmctld, slurmd and slurmstepd: the proof that sbatch/srun work."""
+        left = max(5.0, deadline - time.monotonic())
+        r = self.run("srun", "--quiet", "-J", "scalelab-probe", "-n", "1", "-t", "1", "--mem=10",
+                     "true", timeout=left, check=False)
+        if r.returncode:
+            raise ClusterError(f"the daemons run but a test job failed (`srun -n 1 true`, exit {r.returncode}): "
+                               f"{r.stderr.strip()[-400:]}; see {self.paths.slurmd_log}")
+
+    def down(self) -> None:
+        """Stop the daemons this state directory started (by pid file); the state directory is kept."""
+        if not self.state_dir.exists():
+            return
+        with self._locked():
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for daemon in reversed(DAEMONS):
+            pid = self._pid(daemon)
+            if pid:
+                _terminate(pid)
+            self._pid_file(daemon).unlink(missing_ok=True)
+
+    # -- queries ----------------------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """{"up", "conf", "nodes", "partitions", "jobs"}: a few scontrol calls, none when the daemons are down."""
+        result = {"up": False, "conf": str(self.conf_path), "nodes": [], "partitions": [], "jobs": 0}
+        if not all(self._running().values()):
+            return result
+        try:
+            nodes = self._nodes()
+            parts = [_kv(x) for x in self.run("scontrol", "show", "partition", "-o").stdout.splitlines()
+                     if x.startswith("PartitionName=")]
+            jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
+        except ClusterError:
+            return result
+        result["up"] = self._usable(nodes)
+        result["nodes"] = [{"name": n.get("NodeName"), "state": n.get("State", "").lower(),
+                            "cpus": int(n.get("CPUTot", 0)), "cpus_alloc": int(n.get("CPUAlloc", 0)),
+                            "memory_mb": int(n.get("RealMemory", 0)), "gpus": _gpus(n.get("CfgTRES", ""))}
+                           for n in nodes]
+        result["partitions"] = [{"name": p.get("PartitionName"), "nodes": p.get("Nodes"),
+                                 "cpus": int(p.get("TotalCPUs", 0)), "gpus": _gpus(p.get("TRES", "")),
+                                 "default": p.get("Default") == "YES"} for p in parts]
+        result["jobs"] = len(jobs)
+        return result
+
+    # -- reservations and users -------------------------------------------------------------------------------
+
+    def ensure_reservation(self, name: str, users=("root",), duration: str = "1-00:00:00") -> None:
+        """Create (or bring its user list up to date) a reservation of the whole node for `users` (list or "a,b")."""
+        names = [u.strip() for u in (users.split(",") if isinstance(users, str) else users) if u.strip()]
+        if not _NAME.match(name):
+            raise ClusterError(f"reservation name {name!r} is not valid: use letters, digits, '_', '.', '-'")
+        bad = [u for u in names if not _USER.match(u)] or ([] if names else ["(none)"])
+        if bad:
+            raise ClusterError(f"reservation {name}: bad user name(s) {bad}; give Unix user names")
+        unknown = [u for u in names if not _user_exists(u)]
+        if unknown:
+            raise ClusterError(f"reservation {name}: no such Unix user(s) {unknown}; Slurm needs local users "
+                               "(create them with LocalCluster.ensure_user or useradd -m)")
+        current = self.run("scontrol", "show", "reservation", name, "-o", check=False)
+        existing = _kv(current.stdout) if current.returncode == 0 and "ReservationName=" in current.stdout else None
+        if existing is None:
+            # IGNORE_JOBS: the node may be running jobs (hub servers) right now; the reservation still starts.
+            self.run("scontrol", "create", "reservation", f"ReservationName={name}", f"Users={','.join(names)}",
+                     "StartTime=now", f"Duration={duration}", "Nodes=ALL", "Flags=IGNORE_JOBS")
+        elif sorted(existing.get("Users", "").split(",")) != sorted(names):
+            self.run("scontrol", "update", f"ReservationName={name}", f"Users={','.join(names)}")
+
+    def drop_reservation(self, name: str) -> None:
+        """Delete a reservation if it exists (jobs already running in it go on)."""
+        r = self.run("scontrol", "delete", f"ReservationName={name}", check=False)
+        if r.returncode and "does not exist" not in (r.stderr + r.stdout).lower() \
+                and "invalid reservation" not in (r.stderr + r.stdout).lower():
+            raise ClusterError(f"could not delete reservation {name}: {r.stderr.strip()}")
+
+    def ensure_user(self, username: str) -> None:
+        """Create the local Unix user `username` with a home directory (useradd -m) unless it exists."""
+        if not _USER.match(username):
+            raise ClusterError(f"user name {username!r} is not valid: lower-case letters, digits, '_', '-'")
+        if _user_exists(username):
+            return
+        if os.geteuid() != 0:
+            raise ClusterError(f"creating user {username!r} needs root: run `sudo useradd -m {username}`")
+        r = subprocess.run(["useradd", "-m", "-s", "/bin/bash", username], capture_output=True, text=True)
+        if r.returncode and not _user_exists(username):
+            raise ClusterError(f"`useradd -m {username}` failed (exit {r.returncode}): {r.stderr.strip()}")
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def _terminate(pid: int, grace: float = 15) -> None:
+    """SIGTERM one process we started, then SIGKILL if it outlives `grace` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            if not Path(f"/proc/{pid}").exists() or _zombie(pid):
+                return
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
+
+def add_cli(subparsers) -> None:
+    """Add `scalelab cluster up|down|status [--json]`."""
+    p = subparsers.add_parser("cluster", help="a real single-node Slurm on this machine (development and tests)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--state-dir", default=None, help="state directory (default: $SCALELAB_CLUSTER_DIR or "
+                                                       "~/.cache/scalelab/cluster)")
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    up = sub.add_parser("up", help="start munged, slurmctld and slurmd (no-op when up); prints `export SLURM_CONF=`")
+    up.add_argument("--timeout", type=float, default=60, help="seconds to wait for a usable node (default 60)")
+    up.set_defaults(func=_cli_up)
+    sub.add_parser("down", help="stop the daemons; the state directory is kept").set_defaults(func=_cli_down)
+    st = sub.add_parser("status", help="partitions, nodes and jobs; exit 0 when up, 3 when down")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.set_defaults(func=_cli_status)
+
+
+def _cli_up(args) -> int:
+    cluster = LocalCluster(args.state_dir).up(timeout=args.timeout)
+    print(f"scalelab: local Slurm is up (logs in {cluster.log_dir}); clients need:", file=sys.stderr)
+    for k, v in cluster.env().items():
+        print(f"export {k}={v}")
+    return 0
+
+
+def _cli_down(args) -> int:
+    LocalCluster(args.state_dir).down()
+    return 0
+
+
+def _cli_status(args) -> int:
+    cluster = LocalCluster(args.state_dir)
+    st = cluster.status()
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print(f"local Slurm: {'up' if st['up'] else 'down'}    SLURM_CONF={st['conf']}")
+        if st["partitions"]:
+            print(f"{'PARTITION':<12}{'DEFAULT':<9}{'NODES':<16}{'CPUS':>5}{'GPUS':>6}")
+            for p in st["partitions"]:
+                print(f"{p['name']:<12}{'yes' if p['default'] else 'no':<9}{p['nodes']:<16}{p['cpus']:>5}"
+                      f"{p['gpus']:>6}")
+        for n in st["nodes"]:
+            print(f"node {n['name']}: {n['state']}, {n['cpus_alloc']}/{n['cpus']} CPUs allocated, "
+                  f"{n['memory_mb']} MB, {n['gpus']} GPUs")
+        print(f"jobs in queue: {st['jobs']}" if st["up"] else f"start it with `scalelab cluster up`")
+    return 0 if st["up"] else 3

@@ -1,0 +1,202 @@
+"""What the local Slurm is made of: this machine's shape, and the slurm.conf / gres.conf text for it (pure functions).
+
+`scalelab.cluster` runs the daemons; this module only looks at the machine and writes text, so every choice in the
+configuration can be tested as text on any machine.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+CTLD_PORT = 6817
+SLURMD_PORT = 6818
+#: Jobs that may share one core (see OVERSUBSCRIBE comment in slurm_conf_text).
+OVERSUBSCRIBE = 8
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The shape of this machine as Slurm will see it."""
+
+    hostname: str
+    """Short host name: NodeName and SlurmctldHost."""
+    node_addr: str | None
+    """Address to reach the node by when `hostname` does not resolve (else None)."""
+    cpus: int
+    """Logical CPUs (slurmd -C)."""
+    sockets: int
+    """Sockets per board (slurmd -C)."""
+    cores_per_socket: int
+    """Cores per socket (slurmd -C)."""
+    threads_per_core: int
+    """Hardware threads per core (slurmd -C)."""
+    memory_mb: int
+    """Physical memory in MB, before headroom (slurmd -C)."""
+    gpus: int
+    """NVIDIA GPUs found (nvidia-smi -L, or /dev/nvidiaN)."""
+
+
+def memory_headroom_mb(memory_mb: int) -> int:
+    """Memory kept back from Slurm for the OS, the daemons and the hub: 10 %, at least 512 MB, at most 8 GiB."""
+    return max(512, min(8192, memory_mb // 10))
+
+
+def count_gpus() -> int:
+    """Number of NVIDIA GPUs: `nvidia-smi -L` when it answers, else the /dev/nvidiaN device files."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+            n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+            if n:
+                return n
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.gethostbyname(name)
+        return True
+    except OSError:
+        return False
+
+
+def _slurmd_shape() -> dict[str, int]:
+    """What `slurmd -C` reports (the shape slurmd registers with), or {} when it cannot say."""
+    slurmd = shutil.which("slurmd") or "/usr/sbin/slurmd"
+    try:
+        out = subprocess.run([slurmd, "-C"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", out.splitlines()[0] if out else "")}
+
+
+def detect_machine() -> Machine:
+    """This machine's host name, CPU topology, memory and GPUs, as slurmd will report them at registration."""
+    host = socket.gethostname().split(".")[0]
+    shape = _slurmd_shape()
+    cpus = shape.get("CPUs") or len(os.sched_getaffinity(0))
+    sockets = shape.get("SocketsPerBoard", 1) * shape.get("Boards", 1)
+    memory = shape.get("RealMemory") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    return Machine(hostname=host, node_addr=None if _resolves(host) else "127.0.0.1", cpus=cpus,
+                   sockets=sockets if shape else 1, cores_per_socket=shape.get("CoresPerSocket", cpus),
+                   threads_per_core=shape.get("ThreadsPerCore", 1), memory_mb=memory, gpus=count_gpus())
+
+
+@dataclass(frozen=True)
+class StatePaths:
+    """Where every file of a local cluster lives: all under one state directory."""
+
+    root: Path
+
+    def __getattr__(self, name: str) -> Path:
+        try:
+            return self.root / _LAYOUT[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+_LAYOUT = {
+    "conf": "slurm.conf", "gres_conf": "gres.conf", "lock": "cluster.lock",
+    "log_dir": "log", "run_dir": "run", "ctld_state": "ctld", "slurmd_spool": "spool",
+    "munge_dir": "munge", "munge_key": "munge/munge.key", "munge_socket": "munge/munge.socket",
+    "munge_seed": "munge/munged.seed", "munge_pid": "run/munged.pid", "munge_log": "log/munged.log",
+    "ctld_pid": "run/slurmctld.pid", "ctld_log": "log/slurmctld.log",
+    "slurmd_pid": "run/slurmd.pid", "slurmd_log": "log/slurmd.log", "jobcomp_log": "log/jobcomp.txt",
+}
+
+
+def slurm_conf_text(*, cluster_name: str, node_name: str, cpus: int, real_memory_mb: int, gpus: int,
+                    state_dir: str | os.PathLike, node_addr: str | None = None, sockets: int | None = None,
+                    cores_per_socket: int | None = None, threads_per_core: int = 1,
+                    oversubscribe: int = OVERSUBSCRIBE, ctld_port: int = CTLD_PORT,
+                    slurmd_port: int = SLURMD_PORT) -> str:
+    """slurm.conf for a one-node cluster on a machine with `real_memory_mb` of memory; all paths under `state_dir`."""
+    p = StatePaths(Path(state_dir))
+    memory = real_memory_mb - memory_headroom_mb(real_memory_mb)
+    if sockets is None or cores_per_socket is None:
+        sockets, cores_per_socket, threads_per_core = 1, max(1, cpus // threads_per_core), threads_per_core
+    # Memory is scheduled (CR_Core_Memory), so a job that asks for none gets DefMemPerCPU: the node's memory shared
+    # evenly over every core *and* every oversubscription slot, so the slots never run out of memory first.
+    cores = sockets * cores_per_socket
+    def_mem = max(100, memory // (cores * oversubscribe))
+    node = (f"NodeName={node_name}" + (f" NodeAddr={node_addr}" if node_addr else "")
+            + f" CPUs={cpus} Sockets={sockets} CoresPerSocket={cores_per_socket} ThreadsPerCore={threads_per_core}"
+            + f" RealMemory={memory}" + (f" Gres=gpu:{gpus}" if gpus else "") + " State=UNKNOWN")
+    lines = [
+        "# Written by scalelab.cluster for a single-node development cluster; regenerated by `scalelab cluster up`.",
+        f"ClusterName={cluster_name}",
+        f"SlurmctldHost={node_name}" + (f"({node_addr})" if node_addr else ""),
+        f"SlurmctldPort={ctld_port}",
+        f"SlurmdPort={slurmd_port}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        # Our own munged, with its own key and socket: clients read this line, so they need only SLURM_CONF.
+        f"AuthInfo=socket={p.munge_socket}",
+        f"StateSaveLocation={p.ctld_state}",
+        f"SlurmdSpoolDir={p.slurmd_spool}",
+        f"SlurmctldPidFile={p.ctld_pid}",
+        f"SlurmdPidFile={p.slurmd_pid}",
+        f"SlurmctldLogFile={p.ctld_log}",
+        f"SlurmdLogFile={p.slurmd_log}",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        # No cgroups in containers and laptops: processes are tracked through /proc, tasks are not bound.
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "MpiDefault=none",
+        "SwitchType=switch/none",
+        # Cores and memory are the consumable resources. CPUs are NOT over-reported: the partition oversubscribes
+        # each core FORCE:N ways instead (no gang scheduling, PreemptMode=OFF), so jobs really share the cores.
+        # With N=8 a 2-core laptop runs 16 one-CPU jobs at once (the hub benchmark's 10 single-user servers, a
+        # 2-task training job beside them) while `scontrol show node` still tells the truth about the hardware.
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core_Memory",
+        f"DefMemPerCPU={def_mem}",
+        "PreemptMode=OFF",
+        # No slurmdbd: `sacct` does not work. Finished jobs stay in `scontrol show job` for MinJobAge seconds,
+        # and every finished job gets one line (with its exit code) in the jobcomp file after that.
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/filetxt",
+        f"JobCompLoc={p.jobcomp_log}",
+        "MinJobAge=600",
+        # Tests and the hub want jobs to start within a second or two, not at the next 60 s scheduling pass.
+        "SchedulerType=sched/backfill",
+        "SchedulerParameters=sched_interval=2,bf_interval=2,batch_sched_delay=0,sched_min_interval=100000",
+        "MessageTimeout=10",
+        "SlurmdTimeout=60",
+        "SlurmctldTimeout=30",
+        "InactiveLimit=0",
+        "KillWait=5",
+        "WaitTime=0",
+        # A node that was down when the daemons stopped comes back as soon as its slurmd registers again.
+        "ReturnToService=2",
+    ]
+    if gpus:
+        lines.append("GresTypes=gpu")
+    lines += ["", node, "",
+              f"PartitionName=cpu Nodes={node_name} Default=YES MaxTime=INFINITE State=UP"
+              f" OverSubscribe=FORCE:{oversubscribe}"]
+    if gpus:
+        lines.append(f"PartitionName=gpu Nodes={node_name} Default=NO MaxTime=INFINITE State=UP"
+                     f" OverSubscribe=FORCE:{oversubscribe}")
+    return "\n".join(lines) + "\n"
+
+
+def gres_conf_text(*, node_name: str, gpus: int) -> str:
+    """gres.conf naming the GPU device files of the node ("" when it has none)."""
+    if not gpus:
+        return ""
+    files = "/dev/nvidia0" if gpus == 1 else f"/dev/nvidia[0-{gpus - 1}]"
+    return f"# Written by scalelab.cluster.\nNodeName={node_name} Name=gpu File={files}\n"
