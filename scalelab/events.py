@@ -1,0 +1,72 @@
+"""Per-rank JSONL event files: how every launcher, widget and CLI observes a run.
+
+A worker appends one JSON object per line to `<run dir>/events/rank-<r>.jsonl` and flushes each line, so
+readers on any node that sees the directory can follow a run started by a widget, a terminal or sbatch.
+Event types: start, step, checkpoint, end, error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+def events_dir(run_dir) -> Path:
+    """Where a run's per-rank event files live."""
+    return Path(run_dir) / "events"
+
+
+class EventWriter:
+    """Appends events for one rank; every line is flushed so others can read it at once."""
+
+    def __init__(self, run_dir, rank: int):
+        d = events_dir(run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.path = d / f"rank-{rank}.jsonl"
+        self._f = open(self.path, "a", buffering=1)
+
+    def emit(self, type_: str, **fields) -> None:
+        """Write one event with its type, rank and wall-clock time."""
+        record = {"type": type_, "rank": self.rank, "t": time.time(), **fields}
+        self._f.write(json.dumps(record, default=_plain) + "\n")
+
+    def close(self) -> None:
+        """Flush to disk and close."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+class EventReader:
+    """Reads new events incrementally from every rank file of a run (keeps a byte offset per file)."""
+
+    def __init__(self, run_dir):
+        self.dir = events_dir(run_dir)
+        self._offsets: dict[Path, int] = {}
+        self.all: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        """Events written since the last poll, in file order per rank; partial last lines wait for the next poll."""
+        new = []
+        if not self.dir.is_dir():
+            return new
+        for path in sorted(self.dir.glob("rank-*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            end = chunk.rfind(b"\n") + 1
+            for line in chunk[:end].splitlines():
+                if line.strip():
+                    new.append(json.loads(line))
+            self._offsets[path] = offset + end
+        self.all.extend(new)
+        return new

@@ -1,0 +1,90 @@
+"""What every launcher shares: the run directory, the worker command, and a Run over local processes."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from ..errors import LaunchError
+from ..run import Run, describe_exit, kill_processes
+
+
+def prepare_run_dir(spec):
+    """Resolve output_dir (default runs/<name>-<time>), create it with logs/, write spec.json; returns (spec, dir)."""
+    out = spec.output_dir or os.path.join("runs", f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000}")
+    run_dir = Path(out).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spec = spec.replace(output_dir=str(run_dir))
+    spec.save(run_dir / "spec.json")
+    return spec, run_dir
+
+
+def worker_command(run_dir: Path, python: str | None = None) -> list[str]:
+    """The command every launcher runs once per rank."""
+    return [python or sys.executable, "-m", "scalelab.worker", "--spec", str(run_dir / "spec.json"),
+            "--log-dir", str(run_dir / "logs")]
+
+
+def threads_for(spec) -> int:
+    """Intra-op threads per rank: the spec's, or this node's CPUs shared among its ranks."""
+    return spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.world.workers_per_node)
+
+
+def find_tool(name: str, fix: str) -> str:
+    """Absolute path of a launcher command, looked up next to this Python first (the venv's bin)."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise LaunchError(f"{name} not found (looked in {beside.parent} and PATH); {fix}")
+    return found
+
+
+class ProcessRun(Run):
+    """A run whose processes are children of this one: a launcher process (torchrun, horovodrun, mpirun)
+    or one process per rank (local)."""
+
+    def __init__(self, spec, run_dir, procs: list[subprocess.Popen], rank_of_proc: bool = False):
+        super().__init__(spec, run_dir)
+        self.procs = procs
+        self._rank_of_proc = rank_of_proc  # procs[i] is rank i
+        self._psprocs = [psutil.Process(p.pid) for p in procs]
+        self._state = "running"
+
+    def _backend_state(self):
+        codes = [p.poll() for p in self.procs]
+        for i, code in enumerate(codes):
+            if code not in (None, 0):
+                if self._rank_of_proc:
+                    return "failed", f"rank {i} {describe_exit(code)}; see {self.run_dir / 'logs'}/rank-{i}.log", i
+                rank = self._rank_from_log()
+                where = f"rank {rank}" if rank is not None else "a rank"
+                return "failed", (f"{self.launcher} exited with {describe_exit(code)}: {where} failed; "
+                                  f"last lines of its log:\n{self.logs(tail=8)}"), rank
+        return ("succeeded" if all(c == 0 for c in codes) else "running"), None, None
+
+    def _rank_from_log(self) -> int | None:
+        """The failed rank as the launcher's own log names it (each launcher words it differently)."""
+        return None
+
+    def _cancel(self) -> None:
+        kill_processes(self._psprocs)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def start_process(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """Start `cmd` in its own session (so a stop reaches all it starts), output appended to `log_path`."""
+    with open(log_path, "ab") as log:
+        try:
+            return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except FileNotFoundError as e:
+            raise LaunchError(f"cannot start {cmd[0]}: {e.strerror}") from e

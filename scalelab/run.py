@@ -1,0 +1,240 @@
+"""The `Run` handle: what a notebook cell, a widget and the CLI hold while a run goes on.
+
+    run = launch(spec)            # returns at once
+    run.status                    # pending | running | succeeded | failed | stopped
+    run.events(since=0)           # every event so far (new ones: pass the count you already have)
+    run.logs(rank)                # a rank's output (None: the launcher's own)
+    summary = run.wait(timeout)   # raises RunFailed (naming the rank and its error) or RunTimeout
+    run.stop()                    # ends every process of the run
+
+A launcher subclass supplies `_backend_state()` (is the process/job still there, did it fail?) and
+`_cancel()`. Everything else — failure detection from error events and vanished ranks, cleanup, summaries —
+lives here once.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import psutil
+
+from .errors import RunFailed, RunTimeout
+from .events import EventReader
+from .metrics import summarize
+
+ACTIVE = ("pending", "running")
+POLL_S = 0.2
+
+
+class Run:
+    """A launched run, observed through its event files and its launcher."""
+
+    launcher = "base"
+
+    def __init__(self, spec, run_dir):
+        self.spec = spec
+        self.run_dir = Path(run_dir)
+        self._reader = EventReader(self.run_dir)
+        self._state = "pending"
+        self.error: str | None = None
+        self.failed_rank: int | None = None
+        self._rank_procs: dict[int, psutil.Process] = {}
+        self._started = time.time()
+        self._ended: float | None = None
+
+    # -- for subclasses ---------------------------------------------------------------------------
+    def _backend_state(self) -> tuple[str, str | None, int | None]:
+        """(pending|running|succeeded|failed, failure message or None, failed rank or None)."""
+        raise NotImplementedError
+
+    def _cancel(self) -> None:
+        """End every process of the run (idempotent)."""
+        raise NotImplementedError
+
+    # -- observing --------------------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        """pending, running, succeeded, failed or stopped (polls when still active)."""
+        if self._state in ACTIVE:
+            self.poll()
+        return self._state
+
+    def poll(self) -> str:
+        """Read new events and the launcher's state; fail the run as soon as any rank is known to have failed."""
+        if self._state not in ACTIVE:
+            return self._state
+        new = self._reader.poll()
+        self._track_ranks(new)
+        failure = self._first_error_event() or self._vanished_rank()
+        state, message, rank = self._backend_state()
+        if failure is None and state == "failed":
+            failure = (message or "the launcher reported a failure", rank)
+        if failure is not None:
+            self._fail(*failure)
+        elif state == "succeeded" and not self._all_ended():
+            self._reader.poll()  # last lines may land just after the processes exit
+            if self._all_ended():
+                self._finish("succeeded")
+            else:
+                self._fail(f"the processes exited but ranks {self._missing_end()} never reported the end of "
+                           f"training; see {self.run_dir / 'logs'}", None)
+        elif state == "succeeded":
+            self._finish("succeeded")
+        else:
+            self._state = state
+        return self._state
+
+    def events(self, since: int = 0) -> list[dict]:
+        """Events read so far, from index `since` (poll first for the newest)."""
+        self.poll()
+        return self._reader.all[since:]
+
+    def logs(self, rank: int | None = None, tail: int | None = None) -> str:
+        """A rank's output (stdout and stderr), or the launcher's own with rank=None; `tail` lines at most."""
+        path = self.run_dir / "logs" / (f"rank-{rank}.log" if rank is not None else "launcher.log")
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-tail:]) if tail else text
+
+    def summary(self) -> dict:
+        """Throughput, loss, time breakdown and status, from the events so far."""
+        self.poll()
+        s = summarize(self._reader.all, self.spec.world_size)
+        s.update(status=self._state, launcher=self.launcher, strategy=self.spec.strategy, run_dir=str(self.run_dir),
+                 elapsed_s=(self._ended or time.time()) - self._started, error=self.error,
+                 failed_rank=self.failed_rank)
+        return s
+
+    # -- waiting and stopping ----------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, check: bool = True) -> dict:
+        """Block until the run ends; returns the summary. Raises RunFailed (check=True) or RunTimeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() in ACTIVE:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RunTimeout(f"run {self.run_dir.name} still {self._state} after {timeout:g} s; "
+                                 "call run.stop() to end it, or wait longer")
+            time.sleep(POLL_S)
+        if check and self._state == "failed":
+            raise RunFailed(self.error, rank=self.failed_rank, run_dir=str(self.run_dir))
+        return self.summary()
+
+    def stop(self) -> None:
+        """End the run now: every process of it, including ranks the launcher started."""
+        if self._state in ACTIVE:
+            self._finish("stopped")
+        self._cleanup()
+
+    def _finish(self, state: str) -> None:
+        self._state = state
+        self._ended = time.time()
+
+    def _fail(self, message: str, rank: int | None) -> None:
+        self.error, self.failed_rank = message, rank
+        self._finish("failed")
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._cancel()
+        kill_processes(list(self._rank_procs.values()))
+
+    # -- failure detection -------------------------------------------------------------------------
+    def _track_ranks(self, new_events) -> None:
+        here = socket.gethostname()
+        for e in new_events:
+            if e["type"] == "start" and e.get("host") == here:
+                try:
+                    self._rank_procs[e["rank"]] = psutil.Process(e["pid"])
+                except psutil.NoSuchProcess:
+                    pass  # gone already: _vanished_rank cannot see it, the launcher will report it
+
+    def _first_error_event(self):
+        errors = [e for e in self._reader.all if e["type"] == "error"]
+        if not errors:
+            return None
+        e = min(errors, key=lambda e: e["t"])
+        return f"rank {e['rank']} failed: {e['error']}: {e['message']}", e["rank"]
+
+    def _vanished_rank(self):
+        """A rank on this host whose process is gone without an end or error event: killed or crashed hard."""
+        ended = {e["rank"] for e in self._reader.all if e["type"] in ("end", "error")}
+        for rank, proc in sorted(self._rank_procs.items()):
+            if rank not in ended and not _alive(proc):
+                self._reader.poll()  # it may have written its end event just before exiting
+                if any(e["rank"] == rank and e["type"] in ("end", "error") for e in self._reader.all):
+                    continue
+                return f"rank {rank} (pid {proc.pid}) died without reporting an error: killed by a signal or " \
+                       f"os._exit; see {self.run_dir / 'logs'}", rank
+        return None
+
+    def _all_ended(self) -> bool:
+        return not self._missing_end()
+
+    def _missing_end(self) -> list[int]:
+        ended = {e["rank"] for e in self._reader.all if e["type"] == "end"}
+        return [r for r in range(self.spec.world_size) if r not in ended]
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.run_dir} {self._state}>"
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_processes(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
+    """SIGTERM the processes and all their descendants, then SIGKILL whatever is left after `grace_s`."""
+    family: dict[int, psutil.Process] = {}
+    for p in procs:
+        try:
+            for q in [p, *p.children(recursive=True)]:
+                family[q.pid] = q
+        except psutil.NoSuchProcess:
+            continue
+    alive = [p for p in family.values() if _alive(p)]
+    for p in alive:
+        _signal(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for p in alive:
+        _signal(p, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def _signal(p: psutil.Process, sig) -> None:
+    try:
+        p.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def describe_exit(code: int) -> str:
+    """'exit status 3' or 'killed by SIGKILL' for a Popen return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for the rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrub_env(env: dict | None = None) -> dict:
+    """The parent environment minus the distributed variables of an enclosing run (a notebook under srun)."""
+    env = dict(os.environ if env is None else env)
+    prefixes = ("SLURM_", "OMPI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
+    for key in list(env):
+        if key.startswith(prefixes) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                               "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK"):
+            if key not in ("SLURM_CONF",):
+                del env[key]
+    return env

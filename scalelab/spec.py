@@ -1,0 +1,368 @@
+"""RunSpec: what to run, as one validated, serialisable value.
+
+A lab cell, a widget, the CLI and a batch job all describe a run with a `RunSpec`; launchers turn it
+into processes, and every worker reads the same spec back from `<output_dir>/spec.json`.
+
+    spec = preset("tiny").replace(strategy="horovod", launcher="horovodrun")
+    spec = spec.with_overrides(["optim.lr=0.05", "world.workers_per_node=2"])
+    spec.validate()            # raises SpecError naming the field, the value and what is allowed
+
+Every field is checked by `validate()`; `from_dict` rejects unknown keys with the list of known ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecError
+
+MODELS = ("cnn", "mlp", "transformer")
+DATA_SOURCES = ("heat", "digits", "path")
+STRATEGIES = ("ddp", "horovod")
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+LAUNCHERS = ("local", "torchrun", "slurm", "horovodrun", "mpirun")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+LR_SCALING = ("none", "linear", "sqrt")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_MODES = ("sync",)
+DEVICES = ("auto", "cpu", "cuda")
+FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
+_WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.\-]*$")
+
+
+@dataclass
+class ModelSpec:
+    """The network to train."""
+
+    name: str = "cnn"
+    """cnn (2-D fields), mlp, or transformer (patches of the 2-D field)."""
+    width: int = 32
+    """Channels (cnn) or hidden units (mlp, transformer)."""
+    depth: int = 2
+    """Conv blocks (cnn), hidden layers (mlp) or encoder layers (transformer)."""
+
+
+@dataclass
+class DataSpec:
+    """Where samples come from and how they are loaded."""
+
+    source: str = "heat"
+    """heat (seeded 2-D diffusion fields, classify the diffusivity), digits (scikit-learn's 8x8), or path."""
+    path: str = ""
+    """A .npz file with arrays x (N,C,H,W) and y (N,) when source is 'path'."""
+    samples: int = 1024
+    """Samples to generate (heat); digits has 1797 and path uses what the file has."""
+    size: int = 16
+    """Side of the square field in grid points (heat)."""
+    classes: int = 4
+    """Diffusivity classes to tell apart (heat)."""
+    loader_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    prefetch_factor: int = 2
+    """Batches each loader worker keeps ready (only with loader_workers > 0)."""
+    pin_memory: bool = False
+    """Page-locked host buffers for faster copies to a GPU."""
+
+
+@dataclass
+class WorldSpec:
+    """How many workers, on how many nodes."""
+
+    workers_per_node: int = 1
+    """Ranks per node (one per GPU on GPU nodes)."""
+    nodes: int = 1
+    """Nodes (only the slurm launcher spans several)."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per rank; 0: the node's CPUs divided by workers_per_node."""
+
+
+@dataclass
+class OptimSpec:
+    """Optimisation: batch, learning rate and its scaling, optimizer."""
+
+    name: str = "sgd"
+    """sgd, adamw, lars or lamb (LARS/LAMB from pytorch-optimizer)."""
+    batch_per_worker: int = 32
+    """Samples per rank per step; the global batch is this times the world size."""
+    lr: float = 0.05
+    """Learning rate at base_batch; scaled to the global batch by lr_scaling."""
+    lr_scaling: str = "none"
+    """none, linear (lr x global/base) or sqrt (lr x sqrt(global/base))."""
+    base_batch: int = 32
+    """The global batch at which lr was tuned."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr/warmup_steps to the scaled lr."""
+    momentum: float = 0.9
+    """Momentum (sgd, lars) or beta1 (adamw, lamb)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (no allreduce on all but the last)."""
+
+
+@dataclass
+class CheckpointSpec:
+    """When and how to write checkpoints."""
+
+    every_steps: int = 0
+    """Save every N steps (0: never)."""
+    mode: str = "sync"
+    """sync: rank 0 writes atomically (temp file, fsync, rename)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint in output_dir if there is one."""
+
+
+@dataclass
+class FaultSpec:
+    """A fault to inject, for fault-tolerance lessons: what a failing rank does to the run."""
+
+    kind: str = "none"
+    """none, raise (an exception), exit (non-zero exit), kill (SIGKILL itself) or hang (stop responding)."""
+    rank: int = 0
+    """Which rank misbehaves."""
+    step: int = 1
+    """At which step (before its forward pass)."""
+
+
+@dataclass
+class SlurmSpec:
+    """Batch options used by the slurm launcher (students' values are bounded by the hub, not here)."""
+
+    partition: str = ""
+    """Partition (empty: the cluster's default)."""
+    account: str = ""
+    """Account to charge (empty: the user's default)."""
+    reservation: str = ""
+    """Reservation to run in (empty: none)."""
+    time: str = "00:10:00"
+    """Wall-clock limit, [D-]HH:MM[:SS] or minutes."""
+    gpus_per_node: int = 0
+    """GPUs per node requested with --gres=gpu:N."""
+    cpus_per_task: int = 1
+    """CPUs per rank."""
+    mem: str = ""
+    """Memory per node, e.g. 4G (empty: the partition's default)."""
+
+
+@dataclass
+class RunSpec:
+    """One training run: model, data, strategy, world, launcher, optimisation and bookkeeping."""
+
+    name: str = "run"
+    """A short name for the run: letters, digits, '-', '_' or '.'."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """The network."""
+    data: DataSpec = field(default_factory=DataSpec)
+    """The data and its loader."""
+    strategy: str = "ddp"
+    """ddp (torch DistributedDataParallel) or horovod."""
+    backend: str = "auto"
+    """auto (nccl with CUDA, gloo without), gloo, nccl, or mpi (Horovod's MPI controller)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    world: WorldSpec = field(default_factory=WorldSpec)
+    """Ranks and nodes."""
+    launcher: str = "local"
+    """local, torchrun, slurm, horovodrun or mpirun."""
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    """Optimizer and learning-rate schedule."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast; CPU or GPU) or fp16 (autocast + grad scaling; GPU only)."""
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    """Checkpoint policy."""
+    slurm: SlurmSpec = field(default_factory=SlurmSpec)
+    """Batch options for the slurm launcher."""
+    fault: FaultSpec = field(default_factory=FaultSpec)
+    """An injected fault (off by default)."""
+    steps: int = 20
+    """Optimizer steps to run (ignored when epochs > 0)."""
+    epochs: int = 0
+    """Passes over the data; 0: run `steps` steps."""
+    seed: int = 0
+    """Seed for data generation, model init and shuffling (same on every rank)."""
+    output_dir: str = ""
+    """Where spec.json, events/, logs/ and checkpoints go; empty: runs/<name>-<time> under the cwd."""
+    log_every: int = 1
+    """Write a step event every N steps."""
+
+    # -- construction -------------------------------------------------------------------------
+    def replace(self, **changes) -> "RunSpec":
+        """A copy with top-level fields changed (nested specs are copied, never shared)."""
+        return dataclasses.replace(from_dict(self.to_dict()), **changes)
+
+    def with_overrides(self, assignments: list[str] | dict[str, Any]) -> "RunSpec":
+        """A copy with dotted `key=value` overrides applied (the CLI's --set), then validated."""
+        data = self.to_dict()
+        items = assignments.items() if isinstance(assignments, dict) else (_split_assignment(a) for a in assignments)
+        for key, value in items:
+            _assign(data, key, value)
+        spec = from_dict(data)
+        spec.validate()
+        return spec
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Plain nested dict (JSON/YAML-ready)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Indented JSON text."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def to_yaml(self) -> str:
+        """YAML text."""
+        import yaml
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write as JSON (or YAML for .yaml/.yml) and return the path."""
+        path = Path(path)
+        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
+        path.write_text(text)
+        return path
+
+    # -- derived facts ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Total ranks."""
+        return self.world.workers_per_node * self.world.nodes
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.optim.batch_per_worker * self.optim.grad_accum * self.world_size
+
+    def validate(self) -> "RunSpec":
+        """Check every field; raise SpecError naming the first bad one. Returns self."""
+        from .validate import validate_spec
+        validate_spec(self)
+        return self
+
+
+# -- dict / file round trip -----------------------------------------------------------------------
+_NESTED = {"model": ModelSpec, "data": DataSpec, "world": WorldSpec, "optim": OptimSpec,
+           "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec}
+
+
+def _build(cls, data: Any, prefix: str):
+    if isinstance(data, cls):
+        data = dataclasses.asdict(data)
+    if not isinstance(data, dict):
+        raise SpecError(prefix or "spec", f"expected a mapping of fields, got {type(data).__name__} {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise SpecError(where, f"unknown field; known fields{' of ' + prefix if prefix else ''}: {', '.join(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = _NESTED.get(name) if cls is RunSpec else None
+        kwargs[name] = _build(sub, value, name) if sub else value
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> RunSpec:
+    """Build a RunSpec from a nested dict; unknown keys are an error (types are checked by validate)."""
+    return _build(RunSpec, data, "")
+
+
+def load(path: str | Path) -> RunSpec:
+    """Read a RunSpec from a JSON or YAML file and validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError("spec", f"cannot read {path}: {e.strerror}") from e
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - yaml and json raise different types; both mean "not parseable"
+        raise SpecError("spec", f"{path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from e
+    spec = from_dict(data)
+    spec.validate()
+    return spec
+
+
+# -- --set key=value ------------------------------------------------------------------------------
+def _split_assignment(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise SpecError(text, "expected key=value, e.g. optim.lr=0.1 or world.workers_per_node=2")
+    key, raw = text.split("=", 1)
+    return key.strip(), _parse_value(raw.strip())
+
+
+def _parse_value(raw: str) -> Any:
+    import yaml
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _assign(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    target = data
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(target.get(part), dict):
+            raise SpecError(".".join(parts[: i + 1]), f"not a group of fields; groups: {', '.join(_NESTED)}")
+        target = target[part]
+    last = parts[-1]
+    if last not in target:
+        where = ".".join(parts[:-1])
+        raise SpecError(key, f"unknown field; known fields{' of ' + where if where else ''}: {', '.join(target)}")
+    if isinstance(target[last], dict):
+        raise SpecError(key, f"is a group; set one of its fields, e.g. {key}.{next(iter(target[last]))}=...")
+    # "true"/"1" for a string field stays a string: keep the original text for str fields
+    if isinstance(target[last], str) and not isinstance(value, str):
+        value = str(value) if not isinstance(value, bool) else str(value).lower()
+    target[last] = value
+
+
+# -- presets --------------------------------------------------------------------------------------
+def _tiny() -> RunSpec:
+    return RunSpec(name="tiny", model=ModelSpec("cnn", width=8, depth=2),
+                   data=DataSpec("heat", samples=512, size=16, classes=4),
+                   optim=OptimSpec(batch_per_worker=16, lr=0.05), steps=20)
+
+
+def _laptop() -> RunSpec:
+    return RunSpec(name="laptop", model=ModelSpec("cnn", width=32, depth=3),
+                   data=DataSpec("heat", samples=4096, size=32, classes=4),
+                   optim=OptimSpec(batch_per_worker=32, lr=0.05), steps=200,
+                   world=WorldSpec(workers_per_node=2))
+
+
+def _gpu_node() -> RunSpec:
+    return RunSpec(name="gpu-node", model=ModelSpec("cnn", width=64, depth=4),
+                   data=DataSpec("heat", samples=65536, size=64, classes=8, loader_workers=4, pin_memory=True),
+                   optim=OptimSpec(batch_per_worker=256, lr=0.1, lr_scaling="linear", base_batch=256, warmup_steps=50),
+                   precision="bf16", device="cuda", steps=1000,
+                   world=WorldSpec(workers_per_node=4), launcher="torchrun")
+
+
+def _multi_node() -> RunSpec:
+    spec = _gpu_node()
+    return spec.replace(name="multi-node", world=WorldSpec(workers_per_node=4, nodes=2), launcher="slurm",
+                        slurm=SlurmSpec(gpus_per_node=4, cpus_per_task=8, time="00:30:00"))
+
+
+PRESETS = {"tiny": _tiny, "laptop": _laptop, "gpu-node": _gpu_node, "multi-node": _multi_node}
+"""Named starting points: tiny (CI on CPU, seconds), laptop, gpu-node, multi-node."""
+
+
+def preset(name: str = "tiny") -> RunSpec:
+    """A fresh copy of a named preset."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise SpecError("preset", f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

@@ -1,0 +1,162 @@
+"""The training loop every launcher runs, one process per rank, readable top to bottom.
+
+Each step: fetch a batch (timed as data wait), forward and backward under autocast, let the strategy
+average gradients and step, then write a step event. Rank facts come from `scalelab.dist.rank_info()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..ckpt import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..data import build_dataset, build_loader
+from ..data.loader import build_eval_set
+from .models import build_model
+from .optim import build_optimizer, lr_at, scaled_lr
+from .strategies import build_strategy, pick_device
+
+
+def train(spec, info, events) -> dict:
+    """Run `spec` as rank `info.rank`; returns the end event's fields."""
+    started = time.perf_counter()
+    threads = spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // info.local_size)
+    torch.set_num_threads(threads)
+    device = pick_device(spec, info.local_rank)
+    strategy = build_strategy(spec, info, device)
+    strategy.setup()
+    run_dir = Path(spec.output_dir)
+
+    dataset = build_dataset(spec.data, spec.seed)
+    x0, _ = dataset[0]
+    classes = int(dataset.tensors[1].max()) + 1
+    model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, spec.seed).to(device)
+    peak_lr = scaled_lr(spec.optim, spec.global_batch)
+    optimizer = build_optimizer(spec.optim, model.parameters(), peak_lr)
+    scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
+
+    start_step, resumed_from = 0, None
+    if spec.checkpoint.resume and (found := latest_checkpoint(run_dir / "checkpoints")):
+        start_step = load_checkpoint(found, model, optimizer)
+        resumed_from = str(found)
+    raw_model = model
+    model, optimizer = strategy.wrap(model, optimizer)
+
+    accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
+    loader = build_loader(dataset, spec.data, batch, info.rank, info.world_size, spec.seed)
+    steps_per_epoch = len(loader) // accum
+    total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
+    batches = _batches(loader, start_step * accum, device)
+    autocast = _autocast(spec.precision, device)
+
+    events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
+                backend=strategy.backend, device=str(device), threads=threads, pid=os.getpid(),
+                host=socket.gethostname(), total_steps=total_steps, start_step=start_step,
+                resumed_from=resumed_from, global_batch=spec.global_batch, peak_lr=peak_lr,
+                parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy)
+
+    loss_value = float("nan")
+    for step in range(start_step, total_steps):
+        _maybe_inject_fault(spec.fault, info.rank, step)
+        lr = lr_at(step, peak_lr, spec.optim.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        data_s, loss_sum = 0.0, torch.zeros((), device=device)
+        for micro in range(accum):
+            t_data = time.perf_counter()
+            x, y = next(batches)
+            data_s += time.perf_counter() - t_data
+            sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
+            with sync:
+                with autocast:
+                    loss = F.cross_entropy(model(x).float(), y) / accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
+        strategy.step(optimizer, scaler)
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
+        step_s = time.perf_counter() - t0
+        comm_s = strategy.take_comm_time()
+        done = step + 1
+        if done % spec.log_every == 0 or done == total_steps:
+            exposed = comm_s if spec.strategy == "horovod" else 0.0  # DDP's buckets overlap backward
+            events.emit("step", step=done, loss=loss_value, lr=lr, samples=batch * accum, step_s=step_s,
+                        data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
+                        samples_per_s=batch * accum / step_s)
+        if spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps:
+            _checkpoint(spec, info, strategy, raw_model, optimizer, done, events)
+
+    final_loss = strategy.mean(loss_value)
+    accuracy = _evaluate(raw_model, spec, info, device, autocast, strategy)
+    if info.is_main:
+        torch.save(raw_model.state_dict(), run_dir / "model.pt")
+    strategy.barrier()
+    end = dict(steps=total_steps, final_loss=final_loss, eval_accuracy=accuracy,
+               elapsed_s=time.perf_counter() - started)
+    events.emit("end", **end)
+    strategy.shutdown()
+    return end
+
+
+def _batches(loader, skip: int, device):
+    """Batches forever, epoch after epoch (sampler reseeded per epoch); the first `skip` are dropped (resume)."""
+    per_epoch = len(loader)
+    epoch, skip_now = divmod(skip, per_epoch)
+    while True:
+        loader.sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            if i < skip_now:
+                continue
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        skip_now = 0
+        epoch += 1
+
+
+def _autocast(precision: str, device):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _checkpoint(spec, info, strategy, model, optimizer, step, events):
+    t0 = time.perf_counter()
+    path = None
+    if info.is_main:
+        path = save_checkpoint(Path(spec.output_dir) / "checkpoints", step, model, optimizer,
+                               keep_last=spec.checkpoint.keep_last)
+    strategy.barrier()  # nobody runs ahead of a checkpoint that is not complete yet
+    events.emit("checkpoint", step=step, path=str(path) if path else None, blocked_s=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def _evaluate(model, spec, info, device, autocast, strategy) -> float:
+    """Accuracy on a held-out set, split over ranks and averaged."""
+    x, y = build_eval_set(spec.data, spec.seed)
+    x, y = x[info.rank::info.world_size].to(device), y[info.rank::info.world_size].to(device)
+    model.eval()
+    with autocast:
+        correct = (model(x).argmax(dim=1) == y).float().mean().item() if len(y) else 0.0
+    model.train()
+    return strategy.mean(correct)
+
+
+def _maybe_inject_fault(fault, rank: int, step: int) -> None:
+    """The spec's injected fault, for fault-tolerance lessons and the launcher tests."""
+    if fault.kind == "none" or fault.rank != rank or fault.step != step:
+        return
+    if fault.kind == "raise":
+        raise RuntimeError(f"injected fault: rank {rank} raised at step {step}")
+    if fault.kind == "exit":
+        os._exit(3)
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # hang: stop answering, like a rank stuck on a dead file system
+        time.sleep(3600)

@@ -1,0 +1,78 @@
+"""Small models for 2-D fields: a CNN, an MLP and a patch transformer.
+
+No BatchNorm (GroupNorm / LayerNorm instead): its statistics are per rank, which would break the
+data-parallel equivalence a lab checks (1 worker x 2B == 2 workers x B).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    """Conv blocks (conv 3x3, GroupNorm, ReLU, 2x2 pool while the field is large enough), then a linear head."""
+
+    def __init__(self, in_channels: int, size: int, classes: int, width: int = 32, depth: int = 2):
+        super().__init__()
+        layers, c = [], in_channels
+        for i in range(depth):
+            out = width * min(2 ** i, 4)
+            layers += [nn.Conv2d(c, out, 3, padding=1), nn.GroupNorm(min(8, out), out), nn.ReLU()]
+            if size >= 4:
+                layers.append(nn.MaxPool2d(2))
+                size //= 2
+            c = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class MLP(nn.Module):
+    """Flattened field -> `depth` hidden layers of `width` -> classes."""
+
+    def __init__(self, in_channels: int, size: int, classes: int, width: int = 128, depth: int = 2):
+        super().__init__()
+        dims = [in_channels * size * size] + [width] * depth
+        layers = []
+        for a, b in zip(dims, dims[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(nn.Flatten(), *layers, nn.Linear(dims[-1], classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class PatchTransformer(nn.Module):
+    """4x4 patches -> tokens with learned positions -> pre-norm encoder -> mean pool -> classes."""
+
+    patch = 4
+
+    def __init__(self, in_channels: int, size: int, classes: int, width: int = 32, depth: int = 2):
+        super().__init__()
+        tokens = (size // self.patch) ** 2
+        self.embed = nn.Linear(in_channels * self.patch ** 2, width)
+        self.pos = nn.Parameter(torch.zeros(1, tokens, width))
+        heads = 4 if width % 4 == 0 else 1
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        p = self.patch
+        b, c, h, w = x.shape
+        x = x.unfold(2, p, p).unfold(3, p, p)                # b, c, h/p, w/p, p, p
+        x = x.permute(0, 2, 3, 1, 4, 5).reshape(b, (h // p) * (w // p), c * p * p)
+        x = self.encoder(self.embed(x) + self.pos)
+        return self.head(self.norm(x.mean(dim=1)))
+
+
+MODELS = {"cnn": SmallCNN, "mlp": MLP, "transformer": PatchTransformer}
+
+
+def build_model(model_spec, in_channels: int, size: int, classes: int, seed: int) -> nn.Module:
+    """The model the spec names, initialised from `seed` (identical on every rank before any broadcast)."""
+    torch.manual_seed(seed)
+    return MODELS[model_spec.name](in_channels, size, classes, width=model_spec.width, depth=model_spec.depth)

@@ -1,0 +1,178 @@
+"""Data-parallel strategies: torch DDP and Horovod behind one small interface.
+
+Both average gradients over ranks every step, so with the same seed they follow the same trajectory;
+what differs is who moves the bytes (DDP's reducer with gloo/NCCL, Horovod's background thread with
+Gloo/MPI/NCCL) and where communication time can be measured.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(spec, local_rank: int) -> torch.device:
+    """cuda:<local rank> when asked for (or auto and available), else cpu."""
+    want_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        if not torch.cuda.is_available():
+            from ..errors import SpecError
+            raise SpecError("device", "got 'cuda' but this node has no usable GPU; use device=auto or cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_backend(spec, device: torch.device) -> str:
+    """auto -> nccl with CUDA, gloo without."""
+    if spec.backend != "auto":
+        return spec.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class DDPStrategy:
+    """torch.distributed + DistributedDataParallel; communication timed by a bucket comm hook."""
+
+    name = "ddp"
+
+    def __init__(self, spec, info, device):
+        self.spec, self.info, self.device = spec, info, device
+        self.backend = pick_backend(spec, device)
+        self.comm_s = 0.0
+
+    def setup(self) -> None:
+        """Join the process group (env:// rendezvous: MASTER_ADDR/MASTER_PORT set by the launcher)."""
+        if self.info.world_size > 1 and not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(self.backend, rank=self.info.rank, world_size=self.info.world_size,
+                                    timeout=timedelta(seconds=120))
+
+    def wrap(self, model, optimizer):
+        """DDP-wrap the model (broadcasts rank 0's parameters); the optimizer is unchanged."""
+        if self.info.world_size == 1:
+            return model, optimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        model = DDP(model, device_ids=ids)
+        model.register_comm_hook(self, _timed_allreduce_hook)
+        return model, optimizer
+
+    def no_sync(self, model):
+        """Skip the allreduce for an accumulation micro-batch."""
+        return model.no_sync() if self.info.world_size > 1 else contextlib.nullcontext()
+
+    def step(self, optimizer, scaler=None) -> None:
+        """Apply the (already averaged) gradients."""
+        _apply(optimizer, scaler)
+
+    def take_comm_time(self) -> float:
+        """Seconds spent in gradient allreduce since the last call (buckets overlap backward compute)."""
+        t, self.comm_s = self.comm_s, 0.0
+        return t
+
+    def mean(self, value: float) -> float:
+        """Average a scalar over ranks."""
+        if self.info.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.backend == "nccl" else "cpu")
+        dist.all_reduce(t)
+        return float(t.item()) / self.info.world_size
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.info.world_size > 1:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _apply(optimizer, scaler) -> None:
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def _timed_allreduce_hook(state: DDPStrategy, bucket):
+    # Same arithmetic as DDP's default hook (sum, then divide by world size); the callback runs when the
+    # bucket's allreduce completes, so the measured time includes queueing behind earlier buckets.
+    start = time.perf_counter()
+    tensor = bucket.buffer().div_(state.info.world_size)
+    fut = dist.all_reduce(tensor, async_op=True).get_future()
+
+    def done(f):
+        state.comm_s += time.perf_counter() - start
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+class HorovodStrategy:
+    """Horovod's DistributedOptimizer; communication timed at `synchronize()` (the exposed wait)."""
+
+    name = "horovod"
+
+    def __init__(self, spec, info, device):
+        import horovod.torch as hvd
+        self.hvd, self.spec, self.info, self.device = hvd, spec, info, device
+        self.backend = "horovod"
+        self.comm_s = 0.0
+
+    def setup(self) -> None:
+        """hvd.init(): Gloo under horovodrun --gloo, MPI under mpirun."""
+        self.hvd.init()
+        self.backend = "horovod-" + ("mpi" if self.hvd.mpi_enabled() else "gloo")
+
+    def wrap(self, model, optimizer):
+        """Broadcast rank 0's parameters and optimizer state; wrap the optimizer."""
+        hvd = self.hvd
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             backward_passes_per_step=self.spec.optim.grad_accum, op=hvd.Average)
+        return model, optimizer
+
+    def no_sync(self, model):
+        """Horovod counts backward passes itself (backward_passes_per_step)."""
+        return contextlib.nullcontext()
+
+    def step(self, optimizer, scaler=None) -> None:
+        """Wait for the allreduces (timed), then apply the averaged gradients."""
+        start = time.perf_counter()
+        optimizer.synchronize()
+        self.comm_s += time.perf_counter() - start
+        if scaler:
+            scaler.unscale_(optimizer)  # after synchronize: unscale the averaged gradients
+        with optimizer.skip_synchronize():
+            _apply(optimizer, scaler)
+
+    def take_comm_time(self) -> float:
+        """Seconds this rank waited for gradient allreduces since the last call."""
+        t, self.comm_s = self.comm_s, 0.0
+        return t
+
+    def mean(self, value: float) -> float:
+        """Average a scalar over ranks."""
+        return float(self.hvd.allreduce(torch.tensor([value], dtype=torch.float64), op=self.hvd.Average).item())
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self.hvd.allreduce(torch.zeros(1), name="scalelab.barrier")
+
+    def shutdown(self) -> None:
+        """Shut Horovod down."""
+        self.hvd.shutdown()
+
+
+def build_strategy(spec, info, device):
+    """The strategy the spec names."""
+    return {"ddp": DDPStrategy, "horovod": HorovodStrategy}[spec.strategy](spec, info, device)

@@ -1,0 +1,200 @@
+"""Field-by-field checks of a RunSpec: each error names the field, the value, and what is allowed."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from . import spec as S
+from .errors import SpecError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_MEM = re.compile(r"^$|^\d+[KMGT]?$")
+
+
+def _choice(options):
+    def check(v):
+        if v not in options:
+            return f"must be one of {', '.join(options)}"
+    return check
+
+
+def _int_at_least(low, high=None):
+    def check(v):
+        if v < low:
+            return f"must be at least {low}"
+        if high is not None and v > high:
+            return f"must be at most {high}"
+    return check
+
+
+def _positive_float(v):
+    if not math.isfinite(v) or v <= 0:
+        return "must be a finite number > 0"
+
+
+def _unit_interval(v):
+    if not math.isfinite(v) or not 0 <= v < 1:
+        return "must be in [0, 1)"
+
+
+def _non_negative_float(v):
+    if not math.isfinite(v) or v < 0:
+        return "must be a finite number >= 0"
+
+
+def _regex(pattern, what):
+    def check(v):
+        if not pattern.match(v):
+            return f"must be {what}"
+    return check
+
+
+# (type, rule) per dotted field. bool is checked before int because bool is an int subclass.
+RULES = {
+    "name": (str, _regex(_NAME, "1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")),
+    "model.name": (str, _choice(S.MODELS)),
+    "model.width": (int, _int_at_least(1, 4096)),
+    "model.depth": (int, _int_at_least(1, 64)),
+    "data.source": (str, _choice(S.DATA_SOURCES)),
+    "data.path": (str, None),
+    "data.samples": (int, _int_at_least(8, 10_000_000)),
+    "data.size": (int, _int_at_least(4, 1024)),
+    "data.classes": (int, _int_at_least(2, 64)),
+    "data.loader_workers": (int, _int_at_least(0, 64)),
+    "data.prefetch_factor": (int, _int_at_least(1, 64)),
+    "data.pin_memory": (bool, None),
+    "strategy": (str, _choice(S.STRATEGIES)),
+    "backend": (str, _choice(S.BACKENDS)),
+    "device": (str, _choice(S.DEVICES)),
+    "world.workers_per_node": (int, _int_at_least(1, 1024)),
+    "world.nodes": (int, _int_at_least(1, 4096)),
+    "world.threads_per_worker": (int, _int_at_least(0, 1024)),
+    "launcher": (str, _choice(S.LAUNCHERS)),
+    "optim.name": (str, _choice(S.OPTIMIZERS)),
+    "optim.batch_per_worker": (int, _int_at_least(1, 1_000_000)),
+    "optim.lr": (float, _positive_float),
+    "optim.lr_scaling": (str, _choice(S.LR_SCALING)),
+    "optim.base_batch": (int, _int_at_least(1)),
+    "optim.warmup_steps": (int, _int_at_least(0)),
+    "optim.momentum": (float, _unit_interval),
+    "optim.weight_decay": (float, _non_negative_float),
+    "optim.grad_accum": (int, _int_at_least(1, 1024)),
+    "precision": (str, _choice(S.PRECISIONS)),
+    "checkpoint.every_steps": (int, _int_at_least(0)),
+    "checkpoint.mode": (str, _choice(S.CHECKPOINT_MODES)),
+    "checkpoint.keep_last": (int, _int_at_least(1, 1000)),
+    "checkpoint.resume": (bool, None),
+    "slurm.partition": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
+    "slurm.account": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
+    "slurm.reservation": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
+    "slurm.time": (str, _regex(S._WALLTIME, "a Slurm time: minutes, HH:MM:SS or D-HH:MM:SS")),
+    "slurm.gpus_per_node": (int, _int_at_least(0, 64)),
+    "slurm.cpus_per_task": (int, _int_at_least(1, 1024)),
+    "slurm.mem": (str, _regex(_MEM, "empty or a size like 4G, 500M")),
+    "fault.kind": (str, _choice(S.FAULT_KINDS)),
+    "fault.rank": (int, _int_at_least(0)),
+    "fault.step": (int, _int_at_least(0)),
+    "steps": (int, _int_at_least(1, 10_000_000)),
+    "epochs": (int, _int_at_least(0, 100_000)),
+    "seed": (int, _int_at_least(0, 2**31 - 1)),
+    "output_dir": (str, None),
+    "log_every": (int, _int_at_least(1)),
+}
+
+
+def _walk(obj, prefix=""):
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            yield from _walk(value, key + ".")
+        else:
+            yield key, value
+
+
+def _type_error(key, value, typ):
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return SpecError(key, f"got {value!r} ({type(value).__name__}); expected {names[typ]}")
+
+
+def check_field(key: str, value):
+    """Check one field's type and range; returns the (possibly int->float widened) value."""
+    typ, rule = RULES[key]
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise _type_error(key, value, typ)
+    elif typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(key, value, typ)
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(key, value, typ)
+        value = float(value)
+    elif not isinstance(value, typ):
+        raise _type_error(key, value, typ)
+    problem = rule(value) if rule else None
+    if problem:
+        raise SpecError(key, f"got {value!r}; {problem}")
+    return value
+
+
+def validate_spec(spec) -> None:
+    """Check every field, then the rules that tie fields together."""
+    seen = set()
+    for key, value in _walk(spec):
+        if key not in RULES:  # a field without a rule is a bug in scalelab, not in the spec
+            raise AssertionError(f"RunSpec field {key} has no validation rule")
+        new = check_field(key, value)
+        if new is not value:
+            _set(spec, key, new)
+        seen.add(key)
+    _cross_checks(spec)
+
+
+def _set(spec, key, value):
+    *path, last = key.split(".")
+    obj = spec
+    for p in path:
+        obj = getattr(obj, p)
+    setattr(obj, last, value)
+
+
+def _cross_checks(spec) -> None:
+    if spec.data.source == "path":
+        if not spec.data.path:
+            raise SpecError("data.path", "is empty but data.source is 'path'; give a .npz file with arrays x and y")
+        if not Path(spec.data.path).suffix == ".npz":
+            raise SpecError("data.path", f"got {spec.data.path!r}; expected a .npz file with arrays x (N,C,H,W) and y (N,)")
+    if spec.world.nodes > 1 and spec.launcher not in ("slurm", "mpirun"):
+        raise SpecError("world.nodes", f"got {spec.world.nodes}; more than one node needs launcher slurm (or mpirun "
+                                       f"with a hostfile), not {spec.launcher!r}")
+    if spec.strategy == "horovod" and spec.launcher in ("local", "torchrun"):
+        raise SpecError("launcher", f"got {spec.launcher!r} with strategy 'horovod'; Horovod ranks are started by "
+                                    "horovodrun, mpirun or slurm")
+    if spec.strategy == "ddp" and spec.launcher == "horovodrun":
+        raise SpecError("launcher", "got 'horovodrun' with strategy 'ddp'; use local, torchrun, mpirun or slurm "
+                                    "for ddp, or set strategy=horovod")
+    if spec.backend == "mpi" and spec.strategy != "horovod":
+        raise SpecError("backend", "got 'mpi' with strategy 'ddp'; torch's CPU wheel has no MPI backend: use gloo "
+                                   "(CPU) or nccl (GPU), or set strategy=horovod")
+    if spec.backend == "nccl" and spec.device == "cpu":
+        raise SpecError("backend", "got 'nccl' with device 'cpu'; NCCL needs GPUs: use backend=gloo or auto")
+    if spec.precision == "fp16" and spec.device == "cpu":
+        raise SpecError("precision", "got 'fp16' with device 'cpu'; CPU autocast supports bf16: use precision=bf16")
+    if spec.optim.warmup_steps > max(spec.steps, 1) and spec.epochs == 0:
+        raise SpecError("optim.warmup_steps", f"got {spec.optim.warmup_steps}, more than steps={spec.steps}; "
+                                              "lower it or raise steps")
+    if spec.model.name == "transformer" and spec.data.source == "heat" and spec.data.size % 4:
+        raise SpecError("data.size", f"got {spec.data.size}; the transformer cuts 4x4 patches, so it must be a "
+                                     "multiple of 4")
+    if spec.fault.kind != "none" and spec.fault.rank >= spec.world_size:
+        raise SpecError("fault.rank", f"got {spec.fault.rank}, but the run has {spec.world_size} ranks (0.."
+                                      f"{spec.world_size - 1})")
+    if spec.data.source == "heat" and spec.data.samples < spec.global_batch:
+        raise SpecError("data.samples", f"got {spec.data.samples}, fewer than one global batch "
+                                        f"({spec.global_batch} = batch_per_worker x grad_accum x world size); "
+                                        "raise data.samples or lower optim.batch_per_worker")
+    if spec.data.source == "digits" and spec.data.classes != S.DataSpec.classes and spec.data.classes != 10:
+        raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")
