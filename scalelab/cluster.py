@@ -20,21 +20,20 @@ import pwd
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .cluster_conf import StatePaths, detect_machine, gres_conf_text, slurm_conf_text
+from .cluster_conf import (CTLD_PORT, SLURMD_PORT, StatePaths, detect_machine, gres_conf_text, node_usable,
+                           parse_scontrol, slurm_conf_text, status_table, summarise)
 from .errors import ClusterError
 
 __all__ = ["LocalCluster", "default_state_dir", "slurm_conf_text", "add_cli"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")  # start order; stopped in reverse
 INSTALL = "apt-get install slurm-wlm munge"
-_USABLE = {"IDLE", "MIXED", "ALLOCATED", "COMPLETING", "PLANNED"}
-_UNUSABLE_FLAGS = {"DRAIN", "DRAINED", "DRAINING", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWERING_DOWN",
-                   "POWER_DOWN", "INVALID_REG", "REBOOT_REQUESTED"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
@@ -45,21 +44,13 @@ def default_state_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "scalelab" / "cluster"
 
 
-def _kv(line: str) -> dict[str, str]:
-    """One `scontrol show ... -o` line as a dict (values may contain spaces)."""
-    return dict(re.findall(r"(\w[\w:/]*)=(.*?)(?= \w[\w:/]*=|$)", line.strip()))
-
-
-def _gpus(tres: str) -> int:
-    m = re.search(r"gres/gpu=(\d+)", tres or "")
-    return int(m.group(1)) if m else 0
-
-
 class LocalCluster:
     """munged, slurmctld and slurmd on this machine, all state in one directory; `up()` and `down()` are idempotent."""
 
-    def __init__(self, state_dir: str | os.PathLike | None = None):
+    def __init__(self, state_dir: str | os.PathLike | None = None, *, ctld_port: int = CTLD_PORT,
+                 slurmd_port: int = SLURMD_PORT):
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().absolute()
+        self.ports = (ctld_port, slurmd_port)  # only a second cluster beside the default one needs others
         self.paths = StatePaths(self.state_dir)
         self.conf_path = self.paths.conf
         self.log_dir = self.paths.log_dir
@@ -88,15 +79,11 @@ class LocalCluster:
         return r
 
     def _nodes(self) -> list[dict]:
-        out = self.run("scontrol", "show", "node", "-o", timeout=15).stdout
-        return [_kv(line) for line in out.splitlines() if line.startswith("NodeName=")]
+        return parse_scontrol(self.run("scontrol", "show", "node", "-o", timeout=15).stdout, "NodeName")
 
-    def _usable(self, nodes: list[dict]) -> bool:
-        def ok(state: str) -> bool:
-            base, *flags = state.split("+")
-            return base.rstrip("*~#!%$@^-") in _USABLE and not _UNUSABLE_FLAGS & set(flags) \
-                and not base.endswith("*")
-        return bool(nodes) and all(ok(n.get("State", "")) for n in nodes)
+    @staticmethod
+    def _usable(nodes: list[dict]) -> bool:
+        return bool(nodes) and all(node_usable(n.get("State", "")) for n in nodes)
 
     # -- daemons ----------------------------------------------------------------------------------------------
 
@@ -111,7 +98,7 @@ class LocalCluster:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except (OSError, ValueError, IndexError):
             return None
-        return pid if comm == daemon[:15] else None
+        return pid if comm == daemon[:15] and not _zombie(pid) else None
 
     def _running(self) -> dict[str, int | None]:
         return {d: self._pid(d) for d in DAEMONS}
@@ -153,6 +140,7 @@ class LocalCluster:
             if self._healthy():  # another process brought it up while we waited for the lock
                 return self
             self._stop_all()  # whatever is left half-started, ours only
+            self._check_ports()
             self._prepare()
             self._start("munged", ["munged", "--key-file", str(self.paths.munge_key), "--socket",
                                    str(self.paths.munge_socket), "--pid-file", str(self.paths.munge_pid),
@@ -164,6 +152,18 @@ class LocalCluster:
             self._wait_usable(deadline)
             self._probe(deadline)
         return self
+
+    def _check_ports(self) -> None:
+        """Fail clearly when another Slurm (another state directory, or a system one) holds our ports."""
+        for port in self.ports:
+            with socket.socket() as s:
+                s.settimeout(1)
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    continue
+            others = "; ".join(_daemon_cmdlines()) or "a process that is not slurmctld/slurmd"
+            raise ClusterError(f"port {port} is already in use (by {others}): stop that cluster first (e.g. "
+                               "`scalelab cluster down --state-dir DIR`), or give this one other ports "
+                               "(LocalCluster(ctld_port=..., slurmd_port=...))")
 
     def _prepare(self) -> None:
         """State directories, a fresh slurm.conf for this machine, and a munge key if there is none yet."""
@@ -177,7 +177,8 @@ class LocalCluster:
         text = slurm_conf_text(cluster_name="scalelab", node_name=m.hostname, cpus=m.cpus,
                                real_memory_mb=m.memory_mb, gpus=m.gpus, state_dir=self.state_dir,
                                node_addr=m.node_addr, sockets=m.sockets, cores_per_socket=m.cores_per_socket,
-                               threads_per_core=m.threads_per_core)
+                               threads_per_core=m.threads_per_core, ctld_port=self.ports[0],
+                               slurmd_port=self.ports[1])
         self.conf_path.write_text(text)
         gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus)
         if gres:
@@ -241,7 +242,8 @@ class LocalCluster:
                      "true", timeout=left, check=False)
         if r.returncode:
             raise ClusterError(f"the daemons run but a test job failed (`srun -n 1 true`, exit {r.returncode}): "
-                               f"{r.stderr.strip()[-400:]}; see {self.paths.slurmd_log}")
+                               f"{r.stderr.strip()[-400:]}; see {self.paths.slurmd_log} (a reservation without "
+                               "root, or a full node, keeps it pending: `squeue`, `scontrol show reservation`)")
 
     def down(self) -> None:
         """Stop the daemons this state directory started (by pid file); the state directory is kept."""
@@ -254,7 +256,10 @@ class LocalCluster:
         for daemon in reversed(DAEMONS):
             pid = self._pid(daemon)
             if pid:
-                _terminate(pid)
+                try:
+                    _terminate(pid)
+                except PermissionError:
+                    raise ClusterError(f"{daemon} (pid {pid}) belongs to root: run `sudo scalelab cluster down`")
             self._pid_file(daemon).unlink(missing_ok=True)
 
     # -- queries ----------------------------------------------------------------------------------------------
@@ -266,51 +271,48 @@ class LocalCluster:
             return result
         try:
             nodes = self._nodes()
-            parts = [_kv(x) for x in self.run("scontrol", "show", "partition", "-o").stdout.splitlines()
-                     if x.startswith("PartitionName=")]
+            parts = parse_scontrol(self.run("scontrol", "show", "partition", "-o").stdout, "PartitionName")
             jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
         except ClusterError:
             return result
-        result["up"] = self._usable(nodes)
-        result["nodes"] = [{"name": n.get("NodeName"), "state": n.get("State", "").lower(),
-                            "cpus": int(n.get("CPUTot", 0)), "cpus_alloc": int(n.get("CPUAlloc", 0)),
-                            "memory_mb": int(n.get("RealMemory", 0)), "gpus": _gpus(n.get("CfgTRES", ""))}
-                           for n in nodes]
-        result["partitions"] = [{"name": p.get("PartitionName"), "nodes": p.get("Nodes"),
-                                 "cpus": int(p.get("TotalCPUs", 0)), "gpus": _gpus(p.get("TRES", "")),
-                                 "default": p.get("Default") == "YES"} for p in parts]
-        result["jobs"] = len(jobs)
-        return result
+        return {**result, **summarise(nodes, parts), "jobs": len(jobs)}
 
     # -- reservations and users -------------------------------------------------------------------------------
 
     def ensure_reservation(self, name: str, users=("root",), duration: str = "1-00:00:00") -> None:
-        """Create (or bring its user list up to date) a reservation of the whole node for `users` (list or "a,b")."""
+        """Create a whole-node reservation for `users` (list or "a,b"; root always added), or update its users."""
         names = [u.strip() for u in (users.split(",") if isinstance(users, str) else users) if u.strip()]
         if not _NAME.match(name):
             raise ClusterError(f"reservation name {name!r} is not valid: use letters, digits, '_', '.', '-'")
-        bad = [u for u in names if not _USER.match(u)] or ([] if names else ["(none)"])
+        bad = [u for u in names if not _USER.match(u)]
         if bad:
             raise ClusterError(f"reservation {name}: bad user name(s) {bad}; give Unix user names")
         unknown = [u for u in names if not _user_exists(u)]
         if unknown:
             raise ClusterError(f"reservation {name}: no such Unix user(s) {unknown}; Slurm needs local users "
                                "(create them with LocalCluster.ensure_user or useradd -m)")
-        current = self.run("scontrol", "show", "reservation", name, "-o", check=False)
-        existing = _kv(current.stdout) if current.returncode == 0 and "ReservationName=" in current.stdout else None
+        # This one node is all the cluster has: a reservation locks out every job that is not in it. root stays in
+        # the list and MAGNETIC pulls its jobs in even without --reservation, so the launcher, the tests and the
+        # admin keep working; users who are not listed wait until the reservation ends.
+        names = sorted(set(names) | {"root"})
+        existing = self._reservation(name)
         if existing is None:
             # IGNORE_JOBS: the node may be running jobs (hub servers) right now; the reservation still starts.
+            # OVERLAP: a test's reservation may coexist with the hub's class reservation on the same node.
             self.run("scontrol", "create", "reservation", f"ReservationName={name}", f"Users={','.join(names)}",
-                     "StartTime=now", f"Duration={duration}", "Nodes=ALL", "Flags=IGNORE_JOBS")
-        elif sorted(existing.get("Users", "").split(",")) != sorted(names):
-            self.run("scontrol", "update", f"ReservationName={name}", f"Users={','.join(names)}")
+                     "StartTime=now", f"Duration={duration}", "Nodes=ALL", "Flags=IGNORE_JOBS,OVERLAP,MAGNETIC")
+        elif sorted(existing.get("Users", "").split(",")) != names or "MAGNETIC" not in existing.get("Flags", ""):
+            self.run("scontrol", "update", f"ReservationName={name}", f"Users={','.join(names)}", "Flags+=MAGNETIC")
 
     def drop_reservation(self, name: str) -> None:
         """Delete a reservation if it exists (jobs already running in it go on)."""
-        r = self.run("scontrol", "delete", f"ReservationName={name}", check=False)
-        if r.returncode and "does not exist" not in (r.stderr + r.stdout).lower() \
-                and "invalid reservation" not in (r.stderr + r.stdout).lower():
-            raise ClusterError(f"could not delete reservation {name}: {r.stderr.strip()}")
+        if self._reservation(name) is not None:
+            self.run("scontrol", "delete", f"ReservationName={name}")
+
+    def _reservation(self, name: str) -> dict | None:
+        r = self.run("scontrol", "show", "reservation", name, "-o", check=False)
+        found = parse_scontrol(r.stdout, "ReservationName") if r.returncode == 0 else []
+        return next((x for x in found if x.get("ReservationName") == name), None)
 
     def ensure_user(self, username: str) -> None:
         """Create the local Unix user `username` with a home directory (useradd -m) unless it exists."""
@@ -327,10 +329,20 @@ class LocalCluster:
 
 def _user_exists(name: str) -> bool:
     try:
-        pwd.getpwnam(name)
-        return True
+        return bool(pwd.getpwnam(name))
     except KeyError:
         return False
+
+
+def _daemon_cmdlines() -> list[str]:
+    """Command lines of every slurmctld/slurmd on the machine (to name who holds a port)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (proc / "comm").read_text().strip() in ("slurmctld", "slurmd"):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                found.append(f"pid {proc.name}: {cmdline}")
+    return found
 
 
 def _terminate(pid: int, grace: float = 15) -> None:
@@ -396,14 +408,5 @@ def _cli_status(args) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
     else:
-        print(f"local Slurm: {'up' if st['up'] else 'down'}    SLURM_CONF={st['conf']}")
-        if st["partitions"]:
-            print(f"{'PARTITION':<12}{'DEFAULT':<9}{'NODES':<16}{'CPUS':>5}{'GPUS':>6}")
-            for p in st["partitions"]:
-                print(f"{p['name']:<12}{'yes' if p['default'] else 'no':<9}{p['nodes']:<16}{p['cpus']:>5}"
-                      f"{p['gpus']:>6}")
-        for n in st["nodes"]:
-            print(f"node {n['name']}: {n['state']}, {n['cpus_alloc']}/{n['cpus']} CPUs allocated, "
-                  f"{n['memory_mb']} MB, {n['gpus']} GPUs")
-        print(f"jobs in queue: {st['jobs']}" if st["up"] else f"start it with `scalelab cluster up`")
+        print(status_table(st))
     return 0 if st["up"] else 3

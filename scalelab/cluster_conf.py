@@ -1,7 +1,8 @@
-"""What the local Slurm is made of: this machine's shape, and the slurm.conf / gres.conf text for it (pure functions).
+"""What the local Slurm is made of: this machine's shape, the slurm.conf / gres.conf text for it, and the reading of
+`scontrol show ... -o` output (pure functions).
 
-`scalelab.cluster` runs the daemons; this module only looks at the machine and writes text, so every choice in the
-configuration can be tested as text on any machine.
+`scalelab.cluster` runs the daemons; this module only looks at the machine and turns text into text, so every choice
+in the configuration, and every reading of Slurm's answers, can be tested as text on any machine.
 """
 from __future__ import annotations
 
@@ -200,3 +201,50 @@ def gres_conf_text(*, node_name: str, gpus: int) -> str:
         return ""
     files = "/dev/nvidia0" if gpus == 1 else f"/dev/nvidia[0-{gpus - 1}]"
     return f"# Written by scalelab.cluster.\nNodeName={node_name} Name=gpu File={files}\n"
+
+
+_USABLE = {"IDLE", "MIXED", "ALLOCATED", "COMPLETING", "PLANNED"}
+_UNUSABLE_FLAGS = {"DRAIN", "DRAINED", "DRAINING", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWERING_DOWN",
+                   "POWER_DOWN", "INVALID_REG", "REBOOT_REQUESTED"}
+
+
+def parse_scontrol(text: str, key: str) -> list[dict[str, str]]:
+    """The records of `scontrol show <thing> -o` whose first field is `key` (values may contain spaces)."""
+    pattern = re.compile(r"(\w[\w:/]*)=(.*?)(?= \w[\w:/]*=|$)")
+    return [dict(pattern.findall(line.strip())) for line in text.splitlines() if line.startswith(f"{key}=")]
+
+
+def node_usable(state: str) -> bool:
+    """Whether a node in scontrol State `state` (e.g. "MIXED", "IDLE+DRAIN", "DOWN*") can start jobs."""
+    base, *flags = state.upper().split("+")
+    return not base.endswith("*") and base.rstrip("~#!%$@^-") in _USABLE and not _UNUSABLE_FLAGS & set(flags)
+
+
+def _gpus(tres: str) -> int:
+    m = re.search(r"gres/gpu=(\d+)", tres or "")
+    return int(m.group(1)) if m else 0
+
+
+def summarise(nodes: list[dict[str, str]], partitions: list[dict[str, str]]) -> dict:
+    """The "up", "nodes" and "partitions" of `LocalCluster.status()`, from parsed scontrol records."""
+    return {
+        "up": bool(nodes) and all(node_usable(n.get("State", "")) for n in nodes),
+        "nodes": [{"name": n.get("NodeName"), "state": n.get("State", "").lower(), "cpus": int(n.get("CPUTot", 0)),
+                   "cpus_alloc": int(n.get("CPUAlloc", 0)), "memory_mb": int(n.get("RealMemory", 0)),
+                   "gpus": _gpus(n.get("CfgTRES", ""))} for n in nodes],
+        "partitions": [{"name": p.get("PartitionName"), "nodes": p.get("Nodes"), "cpus": int(p.get("TotalCPUs", 0)),
+                        "gpus": _gpus(p.get("TRES", "")), "default": p.get("Default") == "YES"} for p in partitions],
+    }
+
+
+def status_table(st: dict) -> str:
+    """`LocalCluster.status()` as the readable table `scalelab cluster status` prints."""
+    lines = [f"local Slurm: {'up' if st['up'] else 'down'}    SLURM_CONF={st['conf']}"]
+    if st["partitions"]:
+        lines.append(f"{'PARTITION':<12}{'DEFAULT':<9}{'NODES':<16}{'CPUS':>5}{'GPUS':>6}")
+        lines += [f"{p['name']:<12}{'yes' if p['default'] else 'no':<9}{p['nodes']:<16}{p['cpus']:>5}{p['gpus']:>6}"
+                  for p in st["partitions"]]
+    lines += [f"node {n['name']}: {n['state']}, {n['cpus_alloc']}/{n['cpus']} CPUs allocated, {n['memory_mb']} MB, "
+              f"{n['gpus']} GPUs" for n in st["nodes"]]
+    lines.append(f"jobs in queue: {st['jobs']}" if st["up"] else "start it with `scalelab cluster up`")
+    return "\n".join(lines)
