@@ -71,4 +71,4 @@ doctor: venv ## say what this machine has and how to fix what is missing (DOCTOR
 clean: ## remove the venv and its set-up stamps (the Horovod wheel cache in ~/.cache/scalelab stays)
 	@if [ -e "$(VENV)" ] && [ ! -f "$(VENV)/pyvenv.cfg" ]; then \
 	  echo "make clean: $(VENV) is not a venv (no pyvenv.cfg); not removing it" >&2; exit 1; fi
-	rm -rf "$(VENV)" scalelab.egg-info .pytest_cache
+	rm -rf "$(VENV)"
