@@ -180,7 +180,7 @@ class LocalCluster:
                                threads_per_core=m.threads_per_core, ctld_port=self.ports[0],
                                slurmd_port=self.ports[1])
         self.conf_path.write_text(text)
-        gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus)
+        gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus, files=m.gpu_files)
         if gres:
             p.gres_conf.write_text(gres)
         if not p.munge_key.exists():

@@ -41,6 +41,8 @@ class Machine:
     """Physical memory in MB, before headroom (slurmd -C)."""
     gpus: int
     """NVIDIA GPUs found (nvidia-smi -L, or /dev/nvidiaN)."""
+    gpu_files: tuple[str, ...] = ()
+    """The /dev/nvidiaN device files of those GPUs, when they are visible."""
 
 
 def memory_headroom_mb(memory_mb: int) -> int:
@@ -48,18 +50,25 @@ def memory_headroom_mb(memory_mb: int) -> int:
     return max(512, min(8192, memory_mb // 10))
 
 
+def gpu_device_files() -> tuple[str, ...]:
+    """The /dev/nvidiaN files of this machine (a container may show only some of them), in numeric order."""
+    found = [p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)]
+    return tuple(sorted(found, key=lambda p: int(p[len("/dev/nvidia"):])))
+
+
 def count_gpus() -> int:
-    """Number of NVIDIA GPUs: `nvidia-smi -L` when it answers, else the /dev/nvidiaN device files."""
+    """Number of NVIDIA GPUs: the /dev/nvidiaN device files, else the GPUs that `nvidia-smi -L` lists."""
+    files = gpu_device_files()
+    if files:
+        return len(files)
     smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-            n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-            if n:
-                return n
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))  # MIG lines are indented
 
 
 def _resolves(name: str) -> bool:
@@ -89,7 +98,8 @@ def detect_machine() -> Machine:
     memory = shape.get("RealMemory") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
     return Machine(hostname=host, node_addr=None if _resolves(host) else "127.0.0.1", cpus=cpus,
                    sockets=sockets if shape else 1, cores_per_socket=shape.get("CoresPerSocket", cpus),
-                   threads_per_core=shape.get("ThreadsPerCore", 1), memory_mb=memory, gpus=count_gpus())
+                   threads_per_core=shape.get("ThreadsPerCore", 1), memory_mb=memory, gpus=count_gpus(),
+                   gpu_files=gpu_device_files())
 
 
 @dataclass(frozen=True)
@@ -195,12 +205,12 @@ def slurm_conf_text(*, cluster_name: str, node_name: str, cpus: int, real_memory
     return "\n".join(lines) + "\n"
 
 
-def gres_conf_text(*, node_name: str, gpus: int) -> str:
-    """gres.conf naming the GPU device files of the node ("" when it has none)."""
+def gres_conf_text(*, node_name: str, gpus: int, files: tuple[str, ...] | list[str] = ()) -> str:
+    """gres.conf for the node's GPUs: their device files when known (slurmd checks them), else a bare count."""
     if not gpus:
         return ""
-    files = "/dev/nvidia0" if gpus == 1 else f"/dev/nvidia[0-{gpus - 1}]"
-    return f"# Written by scalelab.cluster.\nNodeName={node_name} Name=gpu File={files}\n"
+    where = f"File={','.join(files)}" if len(files) == gpus else f"Count={gpus}"
+    return f"# Written by scalelab.cluster.\nNodeName={node_name} Name=gpu {where}\n"
 
 
 _USABLE = {"IDLE", "MIXED", "ALLOCATED", "COMPLETING", "PLANNED"}

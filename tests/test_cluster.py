@@ -51,8 +51,10 @@ def test_gpu_machine_gets_gpu_partition_gres_type_and_gres_conf():
     gpu = re.search(r"^PartitionName=gpu (.*)$", text, re.M)
     assert gpu and "Default=NO" in gpu.group(1)
     assert re.search(r"^PartitionName=cpu .*Default=YES", text, re.M)
-    assert "NodeName=vm Name=gpu File=/dev/nvidia[0-3]" in gres_conf_text(node_name="vm", gpus=4)
-    assert "File=/dev/nvidia0\n" in gres_conf_text(node_name="vm", gpus=1)
+    files = [f"/dev/nvidia{i}" for i in range(4)]
+    assert "NodeName=vm Name=gpu File=/dev/nvidia0,/dev/nvidia1,/dev/nvidia2,/dev/nvidia3\n" in gres_conf_text(
+        node_name="vm", gpus=4, files=files)
+    assert "NodeName=vm Name=gpu Count=2\n" in gres_conf_text(node_name="vm", gpus=2)  # device files not visible
 
 
 @pytest.mark.parametrize("total, kept", [(24105, 24105 - 2410), (2048, 2048 - 512), (1024000, 1024000 - 8192)])
