@@ -114,8 +114,13 @@ class LocalCluster:
     @contextlib.contextmanager
     def _locked(self):
         """Serialise up()/down() between processes (two pytest sessions may both call up())."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.paths.lock, "w") as f:
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            f = open(self.paths.lock, "a")
+        except PermissionError as e:
+            raise ClusterError(f"cannot write the cluster's state directory ({e}); the local cluster is run by "
+                               "root: use `sudo scalelab cluster up|down`") from None
+        with f:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
 
@@ -132,9 +137,9 @@ class LocalCluster:
 
     def up(self, timeout: float = 60) -> "LocalCluster":
         """Start munged, slurmctld and slurmd unless already healthy; return once a job runs on the node."""
-        self._preflight()
         if self._healthy():
             return self
+        self._preflight()
         deadline = time.monotonic() + timeout
         with self._locked():
             if self._healthy():  # another process brought it up while we waited for the lock

@@ -105,8 +105,8 @@ def test_node_state_reading(state, usable):
 
 
 def test_scontrol_records_keep_values_with_spaces_and_summarise_gpus():
-    nodes = parse_scontrol("NodeName=vm Arch=x86_64 CPUTot=2 CPUAlloc=1 RealMemory=900 State=MIXED "
-                           "CfgTRES=cpu=2,mem=900M,gres/gpu=2 Reason=Not responding [root@12:00] Comment=x\n", "NodeName")
+    nodes = parse_scontrol("NodeName=vm Arch=x86_64 CPUTot=2 CPUAlloc=1 RealMemory=900 State=MIXED CfgTRES=cpu=2,"
+                           "mem=900M,gres/gpu=2 Reason=Not responding [root@12:00] Comment=x\n", "NodeName")
     assert nodes[0]["Reason"] == "Not responding [root@12:00]"
     parts = parse_scontrol("PartitionName=cpu Default=YES Nodes=vm TotalCPUs=2 TRES=cpu=2,gres/gpu=2\n"
                            "garbage\n", "PartitionName")
