@@ -68,8 +68,13 @@ class Run:
             return self._state
         new = self._reader.poll()
         self._track_ranks(new)
-        failure = self._first_error_event() or self._vanished_rank()
+        # Root causes first: a rank's own error, then a rank that vanished, then what the launcher says about a
+        # rank, and only then errors that ranks saw because a peer died.
+        failure = self._first_error_event(primary=True) or self._vanished_rank()
         state, message, rank = self._backend_state()
+        if failure is None and state == "failed" and rank is not None:
+            failure = (message, rank)
+        failure = failure or self._first_error_event(primary=False)
         if failure is None and state == "failed":
             failure = (message or "the launcher reported a failure", rank)
         if failure is not None:
@@ -137,7 +142,7 @@ class Run:
 
     def _cleanup(self) -> None:
         self._cancel()
-        kill_processes(list(self._rank_procs.values()))
+        kill_processes([p for p in self._rank_procs.values() if not isinstance(p, _Gone)])
 
     # -- failure detection -------------------------------------------------------------------------
     def _track_ranks(self, new_events) -> None:
@@ -147,10 +152,11 @@ class Run:
                 try:
                     self._rank_procs[e["rank"]] = psutil.Process(e["pid"])
                 except psutil.NoSuchProcess:
-                    pass  # gone already: _vanished_rank cannot see it, the launcher will report it
+                    self._rank_procs[e["rank"]] = _Gone(e["pid"])  # died before we first looked
 
-    def _first_error_event(self):
-        errors = [e for e in self._reader.all if e["type"] == "error"]
+    def _first_error_event(self, primary: bool):
+        """The earliest error event that is (primary) or is not (secondary) a peer's communication failure."""
+        errors = [e for e in self._reader.all if e["type"] == "error" and bool(e.get("peer_failure")) != primary]
         if not errors:
             return None
         e = min(errors, key=lambda e: e["t"])
@@ -179,7 +185,16 @@ class Run:
         return f"<{type(self).__name__} {self.run_dir} {self._state}>"
 
 
-def _alive(proc: psutil.Process) -> bool:
+class _Gone:
+    """Stands for a rank process that had already exited when its start event was read."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+
+def _alive(proc) -> bool:
+    if isinstance(proc, _Gone):
+        return False
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -39,11 +39,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - report every failure (even KeyboardInterrupt) before exiting
         tb = traceback.format_exc()
-        events.emit("error", error=type(e).__name__, message=str(e), traceback=tb)
+        events.emit("error", error=type(e).__name__, message=str(e), traceback=tb, peer_failure=is_peer_failure(e))
         print(f"[rank {info.rank}] {tb}", file=sys.stderr, flush=True)
         return 1
     finally:
         events.close()
+
+
+# Errors a rank sees when *another* rank died: the Run handle reports those only if no root cause is found.
+_PEER_PATTERNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Horovod has been shut down",
+                  "Socket Timeout", "Connection refused", "NCCL communicator was aborted")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when the error is a communication failure caused by a peer, not this rank's own fault."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"HorovodInternalError", "DistNetworkError", "DistBackendError"}:
+        return True
+    return any(p in str(exc) for p in _PEER_PATTERNS)
 
 
 def _redirect_output(log_dir: str, rank: int) -> None:

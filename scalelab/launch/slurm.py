@@ -1,0 +1,158 @@
+"""slurm: the run as one batch job; `srun` starts the ranks (DDP) or Open MPI's mpirun does (Horovod).
+
+The batch script is a pure function of the spec (`batch_script`), tested as text. The job writes the same
+events as every other launcher into the run directory, which must be on a file system the compute nodes
+share with the submitting host (home or scratch on a cluster; anywhere on the local single-node Slurm).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import LaunchError
+from ..run import Run, scrub_env
+from .base import prepare_run_dir, threads_for, worker_command
+
+PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"}
+RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}
+# srun: "srun: error: node1: task 1: Exited with exit code 1" / "srun: error: node1: task 1: Killed"
+_FAILED_TASK = re.compile(r"task (\d+): (Exited with exit code \d+|Killed|Terminated|Segmentation fault)")
+BACKEND_POLL_S = 1.0  # squeue/scontrol at most once a second per run: the scheduler is shared
+
+
+def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
+    """The sbatch script for `spec`: #SBATCH resources, rendezvous variables, and the rank launch line."""
+    s, w = spec.slurm, spec.world
+    lines = ["#!/bin/bash", f"#SBATCH --job-name=scalelab-{spec.name}", f"#SBATCH --nodes={w.nodes}",
+             f"#SBATCH --ntasks-per-node={w.workers_per_node}", f"#SBATCH --cpus-per-task={s.cpus_per_task}",
+             f"#SBATCH --time={s.time}", f"#SBATCH --output={run_dir}/logs/slurm-%j.out"]
+    for flag, value in (("partition", s.partition), ("account", s.account), ("reservation", s.reservation),
+                        ("mem", s.mem)):
+        if value:
+            lines.append(f"#SBATCH --{flag}={value}")
+    if s.gpus_per_node:
+        lines.append(f"#SBATCH --gres=gpu:{s.gpus_per_node}")
+    threads = spec.world.threads_per_worker or s.cpus_per_task
+    lines += [
+        "set -euo pipefail",
+        "# rank 0's node hosts the rendezvous; the port is derived from the job id so concurrent jobs differ",
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        f"export OMP_NUM_THREADS={threads}",
+        f"echo \"scalelab: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, {spec.world_size} ranks\"",
+    ]
+    worker = " ".join(shlex.quote(part) for part in worker_command(run_dir, python))
+    if spec.strategy == "horovod":
+        # Open MPI reads the allocation and starts its daemons through Slurm; Horovod uses the MPI controller.
+        root = " --allow-run-as-root" if os.geteuid() == 0 else ""
+        lines.append(f"mpirun -np {spec.world_size} --bind-to none{root} -x MASTER_ADDR -x MASTER_PORT "
+                     f"-x OMP_NUM_THREADS {worker}")
+    else:
+        # --kill-on-bad-exit: one failed rank ends the step at once instead of leaving the others in allreduce
+        lines.append(f"srun --kill-on-bad-exit=1 --cpu-bind=none {worker}")
+    return "\n".join(lines) + "\n"
+
+
+def slurm_env(base: dict | None = None) -> dict:
+    """The environment for Slurm client commands: SLURM_CONF as set, /etc/slurm, or the local cluster's."""
+    env = dict(os.environ if base is None else base)
+    if env.get("SLURM_CONF") or Path("/etc/slurm/slurm.conf").exists():
+        return env
+    from ..cluster import LocalCluster
+    cluster = LocalCluster()
+    if cluster.conf_path.exists():
+        env.update(cluster.env())
+        return env
+    raise LaunchError("no Slurm cluster configured: set SLURM_CONF to your cluster's slurm.conf, or start the "
+                      "local single-node one with `scalelab cluster up`")
+
+
+def _slurm(cmd: list[str], env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise LaunchError(f"{cmd[0]} not found; install the Slurm client (apt-get install slurm-wlm)") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"`{' '.join(cmd)}` did not answer within {timeout:g} s: is slurmctld up?") from None
+
+
+class SlurmRun(Run):
+    """A batch job, observed through squeue/scontrol and its event files."""
+
+    launcher = "slurm"
+
+    def __init__(self, spec, run_dir, job_id: str, env: dict):
+        super().__init__(spec, run_dir)
+        self.job_id, self.env = job_id, env
+        self._last_check = 0.0
+        self._cached = ("pending", None, None)
+
+    def job_info(self) -> dict:
+        """`scontrol show job` fields (JobState, Reason, ExitCode, NodeList, ...); {} once Slurm forgot the job."""
+        r = _slurm(["scontrol", "show", "job", "-o", self.job_id], self.env)
+        if r.returncode:
+            return {}
+        return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+
+    def _backend_state(self):
+        if time.monotonic() - self._last_check < BACKEND_POLL_S:
+            return self._cached
+        self._last_check = time.monotonic()
+        info = self.job_info()
+        state = info.get("JobState", "")
+        if state in PENDING:
+            self._cached = ("pending", None, None)
+        elif state in RUNNING:
+            self._cached = ("running", None, None)
+        elif state == "COMPLETED" or (not info and not self._missing_end()):
+            self._cached = ("succeeded", None, None)
+        else:
+            rank = self._rank_from_output()
+            who = f"rank {rank} failed; " if rank is not None else ""
+            what = f"job {self.job_id} ended {state or 'and was forgotten by Slurm'}"
+            if info.get("Reason") not in (None, "None"):
+                what += f" ({info['Reason']})"
+            self._cached = ("failed", f"{who}{what}; last lines of its output:\n{self.output(tail=8)}", rank)
+        return self._cached
+
+    def output(self, tail: int | None = None) -> str:
+        """The job's own output file (the batch script's and srun's messages)."""
+        path = self.run_dir / "logs" / f"slurm-{self.job_id}.out"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-tail:]) if tail else text
+
+    def logs(self, rank=None, tail=None):
+        """A rank's output, or the job's output file with rank=None."""
+        return self.output(tail) if rank is None else super().logs(rank, tail)
+
+    def _rank_from_output(self):
+        m = _FAILED_TASK.search(self.output())
+        return int(m.group(1)) if m else None
+
+    def _cancel(self) -> None:
+        _slurm(["scancel", self.job_id], self.env)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.job_info().get("JobState", "") in PENDING | RUNNING:
+            time.sleep(0.5)
+
+
+def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun:
+    """Write the batch script into the run directory and sbatch it; returns at once (the job may queue)."""
+    spec, run_dir = prepare_run_dir(spec)
+    env = slurm_env(scrub_env(env))  # a notebook inside a hub job must not hand its SLURM_JOB_* down
+    script = run_dir / "job.sh"
+    script.write_text(batch_script(spec, run_dir, python or sys.executable))
+    r = _slurm(["sbatch", "--parsable", "--chdir", str(run_dir), str(script)], env)
+    if r.returncode:
+        raise LaunchError(f"sbatch refused the job: {(r.stderr or r.stdout).strip()} (script: {script})")
+    job_id = r.stdout.strip().split(";")[0]
+    (run_dir / "job_id").write_text(job_id + "\n")
+    return SlurmRun(spec, run_dir, job_id, env)
+
+
+__all__ = ["batch_script", "launch", "SlurmRun", "slurm_env", "threads_for"]

@@ -1,0 +1,39 @@
+"""torchrun: PyTorch's elastic launcher starts the ranks on this node (its agent restarts nothing here:
+max_restarts=0, so a failed rank fails the run)."""
+from __future__ import annotations
+
+import re
+import sys
+
+from ..run import free_port, scrub_env
+from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
+
+# torchrun's failure report: "  rank      : 1 (local_rank: 1)"
+_FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
+
+
+class TorchrunRun(ProcessRun):
+    """A torchrun process and the ranks it started."""
+
+    launcher = "torchrun"
+
+    def _rank_from_log(self):
+        m = _FAILED_RANK.search(self.logs())
+        return int(m.group(1)) if m else None
+
+
+def torchrun_command(spec, run_dir, port: int) -> list[str]:
+    """`python -m torch.distributed.run ... -m scalelab.worker ...` for one node."""
+    worker = worker_command(run_dir)
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.world.workers_per_node}",
+            "--nnodes=1", "--max-restarts=0", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--monitor-interval=0.2", *worker[1:]]
+
+
+def launch(spec, env: dict | None = None) -> TorchrunRun:
+    """Start torchrun with spec.world.workers_per_node ranks; returns at once."""
+    spec, run_dir = prepare_run_dir(spec)
+    env = scrub_env(env)
+    env["OMP_NUM_THREADS"] = str(threads_for(spec))
+    proc = start_process(torchrun_command(spec, run_dir, free_port()), env, run_dir / "logs" / "launcher.log")
+    return TorchrunRun(spec, run_dir, [proc])
