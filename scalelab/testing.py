@@ -7,11 +7,13 @@
         assert records["speedup"] > 1.0
 
 The lab runs in its own folder (as it would in JupyterLab), its executed copy goes to a fresh temporary
-folder (named in the failure message, and kept so it can be opened), and any failure fails the test with
+folder (named in the failure message and kept when the run fails; `run_lab` removes it after a run that
+passed), and any failure fails the test with
 the failing cell's source and traceback instead of a papermill stack.
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,10 @@ def execute_lab(lab_dir: str | Path, parameters: dict | None = None, *, output_d
 
 def run_lab(lab_dir: str | Path, /, **parameters: Any) -> dict[str, Any]:
     """Execute a lab with these parameters and return its records; fails the test readably otherwise."""
-    return execute_lab(lab_dir, parameters).records
+    out_dir = Path(tempfile.mkdtemp(prefix=f"scalelab-{lab_notebook(lab_dir).parent.name}-"))
+    records = execute_lab(lab_dir, parameters, output_dir=out_dir).records
+    shutil.rmtree(out_dir, ignore_errors=True)  # kept only when the run failed (pytest.fail skips this line)
+    return records
 
 
 def format_failure(result: NotebookResult) -> str:

@@ -71,6 +71,11 @@ def test_output_path_may_not_overwrite_the_input():
         execute_notebook(NB / "params.ipynb", output_path=NB / "params.ipynb")
 
 
+def test_unknown_kernel_name_is_a_harness_error(tmp_path):
+    with pytest.raises(NotebookError, match="could not execute .*NoSuchKernel: No such kernel named no-such-kernel"):
+        _run("kernel_python.ipynb", tmp_path=tmp_path, kernel_name="no-such-kernel")
+
+
 def test_cell_error_names_the_tagged_cell_and_keeps_earlier_records(tmp_path):
     # With a parameter, papermill adds an injected cell and error markers: the index must still be the source's.
     result = _run("cell_error.ipynb", {"scale": 3}, tmp_path)

@@ -12,6 +12,12 @@ Why a child process: papermill has no whole-run limit, so execution runs in `pyt
 that the parent can stop. On the total limit the parent kills the kernel first, so papermill notices a dead kernel
 and still saves the output notebook cleanly; only then the child, and every process group the kernel owned.
 
+Arguments: `parameters` must be JSON data (they cross a process boundary) and be declared in the cell tagged
+`parameters`. `output_path` defaults to a new temporary folder; `cwd` (the kernel's working directory) to the
+notebook's folder, as in JupyterLab. `cell_timeout` is rounded up to whole seconds (nbclient takes integers);
+`total_timeout` counts from the call, kernel start-up included; None means no limit. `env` is merged over
+os.environ for the kernel. Records are read back even when the run failed, up to the last cell saved.
+
 Kernel: `kernel_name=None` (the default) means *this interpreter* (sys.executable), whatever the notebook's
 metadata or a `python3` kernelspec elsewhere says: the child writes a private kernelspec into a temporary
 JUPYTER_PATH entry. Pass a name to use an installed kernelspec instead.
@@ -159,7 +165,8 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
     if outcome.get("status") == "internal" and not timed_out:
         raise NotebookError(f"could not execute {path}: {outcome['message']}", str(path), str(out))
 
-    status = "timeout" if timed_out else outcome["status"]
+    # A run that finished just as the limit hit is still a finished run.
+    status = "timeout" if timed_out and outcome["status"] != "ok" else outcome["status"]
     nb = _read_json(out)
     records, cell = ({}, {}) if nb is None else (read_records(nb), _running_cell(nb))
     error = _make_error(status, path, out, cell, cell_timeout, total_timeout, outcome.get("message", ""))
@@ -365,5 +372,5 @@ def _papermill(job: dict, kernel_name: str) -> dict:
         return {"status": "cell_timeout", "message": str(e)}
     except DeadKernelError as e:
         return {"status": "dead_kernel", "message": str(e)}
-    except Exception:  # a harness problem (no such kernel, kernel never started): the parent raises it
-        return {"status": "internal", "message": traceback.format_exc()}
+    except Exception as e:  # a harness problem (no such kernel, kernel never started): the parent raises it
+        return {"status": "internal", "message": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
