@@ -1,0 +1,150 @@
+"""`scalelab run`: launch a RunSpec from a terminal, with a progress bar and a summary table.
+
+    scalelab run --preset tiny --workers 2 --strategy ddp
+    scalelab run --preset tiny --workers 2 --strategy horovod --launcher mpirun
+    scalelab run --preset tiny --workers 2 --launcher slurm --set slurm.partition=cpu
+    scalelab run --spec my.yaml --set optim.lr=0.1 --json
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+from .errors import RunFailed, ScalelabError
+
+JSON_KEYS = ("status", "world_size", "samples_per_s", "steps", "final_loss", "eval_accuracy", "strategy",
+             "launcher", "elapsed_s", "per_rank_samples_per_s", "time_fraction", "run_dir", "error", "failed_rank")
+
+
+def add_cli(subparsers) -> None:
+    """Register `scalelab run`."""
+    p = subparsers.add_parser("run", help="launch a training run and report its throughput",
+                              description=__doc__, formatter_class=_raw())
+    p.add_argument("--preset", default="tiny", help="starting point: tiny, laptop, gpu-node, multi-node (default tiny)")
+    p.add_argument("--spec", help="a RunSpec JSON/YAML file (instead of --preset)")
+    p.add_argument("--workers", type=int, help="ranks per node (world.workers_per_node)")
+    p.add_argument("--nodes", type=int, help="nodes (world.nodes; slurm launcher)")
+    p.add_argument("--strategy", choices=("ddp", "horovod"), help="data-parallel strategy")
+    p.add_argument("--launcher", choices=("local", "torchrun", "horovodrun", "mpirun", "slurm"),
+                   help="how ranks start (default: local for ddp, horovodrun for horovod)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any field, e.g. --set optim.lr=0.1 --set data.samples=2048 (repeatable)")
+    p.add_argument("--out", help="run directory (output_dir); default runs/<name>-<time>")
+    p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
+    p.set_defaults(func=run_command)
+
+
+def _raw():
+    import argparse
+    return argparse.RawDescriptionHelpFormatter
+
+
+def build_spec(args):
+    """The RunSpec the command line describes: preset or file, then flags, then --set overrides; validated."""
+    from .spec import load, preset
+    spec = load(args.spec) if args.spec else preset(args.preset)
+    changes = {}
+    if args.workers is not None:
+        changes["world.workers_per_node"] = args.workers
+    if args.nodes is not None:
+        changes["world.nodes"] = args.nodes
+    if args.strategy:
+        changes["strategy"] = args.strategy
+        if not args.launcher and args.strategy == "horovod" and spec.launcher in ("local", "torchrun"):
+            changes["launcher"] = "horovodrun"
+    if args.launcher:
+        changes["launcher"] = args.launcher
+    if args.out:
+        changes["output_dir"] = args.out
+    spec = spec.with_overrides(changes)
+    return spec.with_overrides(args.overrides) if args.overrides else spec
+
+
+def run_command(args) -> int:
+    """Launch, follow with a progress bar (unless --json), print the summary; exit 1 when the run failed."""
+    from .launch import launch
+    spec = build_spec(args)
+    run = launch(spec)
+    try:
+        summary = _follow(run, args.timeout, quiet=args.json)
+    except KeyboardInterrupt:
+        run.stop()
+        print(f"stopped; run directory: {run.run_dir}", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({k: _finite(summary.get(k)) for k in JSON_KEYS}))
+    else:
+        print(format_summary(summary))
+    return 0 if summary["status"] == "succeeded" else 1
+
+
+def _follow(run, timeout, quiet: bool) -> dict:
+    from tqdm import tqdm
+    total = run.spec.steps if not run.spec.epochs else None
+    bar = None if quiet else tqdm(total=total, unit="step", desc=f"{run.spec.name} [{run.launcher}]",
+                                  dynamic_ncols=True, file=sys.stderr)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seen, done = 0, 0
+    while run.poll() in ("pending", "running"):
+        if deadline and time.monotonic() > deadline:
+            run.stop()
+            break
+        new = run.events(seen)
+        seen += len(new)
+        if bar is not None:
+            _advance(bar, new, done)
+            done = bar.n
+        time.sleep(0.2)
+    if bar is not None:
+        _advance(bar, run.events(seen), done)
+        bar.close()
+    try:
+        return run.wait(check=True)
+    except RunFailed:
+        return run.summary()
+
+
+def _advance(bar, events, done) -> None:
+    for e in events:
+        if e["type"] == "start" and e["rank"] == 0 and bar.total is None:
+            bar.total = e["total_steps"]
+        if e["type"] == "step" and e["rank"] == 0:
+            bar.update(e["step"] - bar.n)
+            bar.set_postfix(loss=f"{e['loss']:.3f}", sps=f"{e['samples_per_s']:.0f}/rank", refresh=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def format_summary(s: dict) -> str:
+    """The end-of-run table."""
+    frac = s.get("time_fraction") or {}
+    rows = [("status", s["status"]), ("strategy / launcher", f"{s['strategy']} / {s['launcher']}"),
+            ("world size", s["world_size"]), ("steps", s["steps"]),
+            ("final loss", f"{s['final_loss']:.4f}" if _num(s["final_loss"]) else "-"),
+            ("eval accuracy", f"{s['eval_accuracy']:.3f}" if _num(s.get("eval_accuracy")) else "-"),
+            ("samples/s (all ranks)", f"{s['samples_per_s']:.1f}"),
+            ("samples/s per rank", ", ".join(f"{r:.1f}" for r in s["per_rank_samples_per_s"])),
+            ("time: data / compute / comm", " / ".join(f"{frac.get(k, 0):.0%}" for k in ("data", "compute", "comm"))),
+            ("elapsed", f"{s['elapsed_s']:.1f} s"), ("run directory", s["run_dir"])]
+    if s.get("error"):
+        rows.append(("error", s["error"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+__all__ = ["add_cli", "build_spec", "run_command", "format_summary", "ScalelabError"]
