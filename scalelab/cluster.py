@@ -1,13 +1,14 @@
 """A real single-node Slurm on this machine, for development, tests, the Slurm launcher and the hub's batchspawner.
 
     sudo scalelab cluster up           # munged + slurmctld + slurmd; prints the line below
-    export SLURM_CONF=~/.cache/scalelab/cluster/slurm.conf
+    export SLURM_CONF=/var/lib/scalelab/cluster/slurm.conf
     sbatch -n 2 --wrap 'srun hostname'
     scalelab cluster status            # or --json; exit 3 when down
     sudo scalelab cluster down
 
 Everything (slurm.conf, the munge key and socket, spool, logs, pid files) lives in one state directory, by default
-$SCALELAB_CLUSTER_DIR or ~/.cache/scalelab/cluster. A client process needs only `LocalCluster.env()`: SLURM_CONF.
+$SCALELAB_CLUSTER_DIR, else /var/lib/scalelab/cluster when run as root (readable by every user, so students'
+jobs can be submitted through it), else ~/.cache/scalelab/cluster. A client process needs only `LocalCluster.env()`: SLURM_CONF.
 The configuration itself (and why each setting) is in `scalelab.cluster_conf`.
 """
 from __future__ import annotations
@@ -39,9 +40,17 @@ _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
 def default_state_dir() -> Path:
-    """$SCALELAB_CLUSTER_DIR, else ~/.cache/scalelab/cluster (never inside the repository)."""
+    """$SCALELAB_CLUSTER_DIR; else /var/lib/scalelab/cluster as root, ~/.cache/scalelab/cluster otherwise.
+
+    Root's home is usually 0700: a state directory there would hide slurm.conf and the munge socket from the
+    students whose jobs the hub submits, so the root default lives where every user can read it.
+    """
     env = os.environ.get("SCALELAB_CLUSTER_DIR", "").strip()
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "scalelab" / "cluster"
+    if env:
+        return Path(env).expanduser()
+    if os.geteuid() == 0:
+        return Path("/var/lib/scalelab/cluster")
+    return Path.home() / ".cache" / "scalelab" / "cluster"
 
 
 class LocalCluster:

@@ -121,6 +121,9 @@ def test_default_state_dir_follows_env_and_is_outside_the_repo(monkeypatch, tmp_
     assert default_state_dir() == tmp_path / "c"
     assert LocalCluster().conf_path == tmp_path / "c" / "slurm.conf"
     monkeypatch.delenv("SCALELAB_CLUSTER_DIR")
+    monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 0)
+    assert default_state_dir() == Path("/var/lib/scalelab/cluster")  # students must be able to read it
+    monkeypatch.setattr(cluster_mod.os, "geteuid", lambda: 1000)
     assert default_state_dir() == Path.home() / ".cache" / "scalelab" / "cluster"
     assert ROOT not in default_state_dir().parents
 
