@@ -147,9 +147,8 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
     start = time.monotonic()
     path = Path(path).resolve()
     parameters = dict(parameters or {})
-    out = Path(output_path).resolve() if output_path else Path(tempfile.mkdtemp(prefix="scalelab-nb-")) / path.name
-    if out == path:
-        raise NotebookError(f"output_path {out} is the input notebook; papermill would overwrite it", str(path))
+    if output_path and Path(output_path).resolve() == path:
+        raise NotebookError(f"output_path {output_path} is the input notebook; papermill would overwrite it", str(path))
 
     problem = _malformed(path, parameters)
     if problem:
@@ -157,6 +156,7 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
         return NotebookResult(str(path), None, "malformed", {}, time.monotonic() - start, err)
     _check_parameters(path, parameters)
 
+    out = Path(output_path).resolve() if output_path else Path(tempfile.mkdtemp(prefix="scalelab-nb-")) / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
     job = {"input": str(path), "output": str(out), "parameters": parameters,
            "cwd": str(Path(cwd).resolve() if cwd else path.parent), "kernel_name": kernel_name,
