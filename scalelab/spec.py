@@ -200,9 +200,10 @@ class RunSpec:
     def with_overrides(self, assignments: list[str] | dict[str, Any]) -> "RunSpec":
         """A copy with dotted `key=value` overrides applied (the CLI's --set), then validated."""
         data = self.to_dict()
-        items = assignments.items() if isinstance(assignments, dict) else (_split_assignment(a) for a in assignments)
+        from_text = not isinstance(assignments, dict)
+        items = (_split_assignment(a) for a in assignments) if from_text else assignments.items()
         for key, value in items:
-            _assign(data, key, value)
+            _assign(data, key, value, from_text)
         spec = from_dict(data)
         spec.validate()
         return spec
@@ -303,18 +304,23 @@ def _split_assignment(text: str) -> tuple[str, Any]:
 
 def _parse_value(raw: str) -> Any:
     import yaml
+    for number in (int, float):  # YAML 1.1 reads "1e-2" as a string
+        try:
+            return number(raw)
+        except ValueError:
+            pass
     try:
         return yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         return raw
 
 
-def _assign(data: dict, key: str, value: Any) -> None:
+def _assign(data: dict, key: str, value: Any, from_text: bool) -> None:
     parts = key.split(".")
     target = data
     for i, part in enumerate(parts[:-1]):
         if not isinstance(target.get(part), dict):
-            raise SpecError(".".join(parts[: i + 1]), f"not a group of fields; groups: {', '.join(_NESTED)}")
+            raise SpecError(key, f"{'.'.join(parts[: i + 1])!r} is not a group of fields; groups: {', '.join(_NESTED)}")
         target = target[part]
     last = parts[-1]
     if last not in target:
@@ -322,8 +328,8 @@ def _assign(data: dict, key: str, value: Any) -> None:
         raise SpecError(key, f"unknown field; known fields{' of ' + where if where else ''}: {', '.join(target)}")
     if isinstance(target[last], dict):
         raise SpecError(key, f"is a group; set one of its fields, e.g. {key}.{next(iter(target[last]))}=...")
-    # "true"/"1" for a string field stays a string: keep the original text for str fields
-    if isinstance(target[last], str) and not isinstance(value, str):
+    # --set name=123 means the string "123": text parsed as YAML is turned back into a string for str fields
+    if from_text and isinstance(target[last], str) and not isinstance(value, str):
         value = str(value) if not isinstance(value, bool) else str(value).lower()
     target[last] = value
 
