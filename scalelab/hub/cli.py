@@ -1,0 +1,143 @@
+"""`scalelab hub` (what `make hub` runs) and `scalelab kernels install`.
+
+    scalelab hub                               # local mode from hub_config/course.yaml
+    scalelab hub --mode slurm                  # the batch path; on one machine it starts the local Slurm
+    scalelab hub --config my_course.toml       # another course settings file
+    scalelab hub --check                       # check the settings and say what would run; start nothing
+    scalelab kernels install [--preset local|cluster] [--user | --prefix DIR]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..errors import SetupError
+from .settings import ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_settings_path, hub_config_dir, load_settings
+
+
+def add_cli(subparsers) -> None:
+    """Add `scalelab hub` and `scalelab kernels`."""
+    p = subparsers.add_parser("hub", help="start JupyterHub for the course (local processes or Slurm jobs)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help=f"course settings file, YAML or TOML (default "
+                                                   f"{default_settings_path()})")
+    p.add_argument("--mode", choices=("local", "slurm"), default=None, help="override the settings' mode")
+    p.add_argument("--check", action="store_true", help="check the settings, print what would run, start nothing")
+    p.set_defaults(func=run_hub)
+
+    k = subparsers.add_parser("kernels", help="the course Jupyter kernels")
+    ksub = k.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ki = ksub.add_parser("install", help="install the course kernels (kernels/) for this environment")
+    ki.add_argument("--preset", choices=("local", "cluster"), default="local",
+                    help="local: distributed runs on this machine over loopback (default); cluster: site network")
+    where = ki.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="into ~/.local/share/jupyter instead of this environment")
+    where.add_argument("--prefix", default=None, help="into PREFIX/share/jupyter (default: sys.prefix)")
+    ki.set_defaults(func=run_kernels_install)
+
+
+def run_kernels_install(args) -> int:
+    """`scalelab kernels install`."""
+    from .kernels import install_kernels
+
+    for path in install_kernels(args.preset, prefix=args.prefix, user=args.user):
+        print(f"installed kernel {path.name} ({args.preset}) in {path}")
+    return 0
+
+
+def slurm_overrides(cfg: dict) -> tuple[dict, object | None]:
+    """Settings that point the hub at a Slurm: the configured one, $SLURM_CONF, the system one, or a local one."""
+    if cfg["slurm"]["conf"]:
+        return {}, None
+    if os.environ.get("SLURM_CONF"):
+        return {"slurm": {"conf": os.environ["SLURM_CONF"]}}, None
+    if Path("/etc/slurm/slurm.conf").exists():
+        return {}, None
+    from ..cluster import LocalCluster
+
+    cluster = LocalCluster().up()
+    over = {"slurm": {"conf": cluster.env()["SLURM_CONF"]}}
+    # one machine: the servers listen on the loopback only, and the hub reaches them there
+    if cfg["slurm"]["server_ip"] == "0.0.0.0":
+        over["slurm"]["server_ip"] = "127.0.0.1"
+    if not cfg["slurm"]["node_address"]:
+        over["slurm"]["node_address"] = "127.0.0.1"
+    return over, cluster
+
+
+def _preflight(cfg: dict) -> None:
+    from .config import find_proxy, python_bin
+
+    if not find_proxy(cfg):
+        raise SetupError("configurable-http-proxy not found beside the course Python or on PATH: run `make hub` "
+                         "once (it installs it), or `npm install -g configurable-http-proxy`")
+    single = Path(python_bin(cfg)) / "jupyterhub-singleuser"
+    if not single.exists():
+        raise SetupError(f"{single} not found: install the hub extra (`pip install -e '.[hub,labs]'`) or set "
+                         "servers.python_bin to the course environment's bin directory")
+    if cfg["mode"] == "slurm":
+        sbatch = Path(cfg["slurm"]["bin_dir"]) / "sbatch"
+        if not sbatch.exists():
+            raise SetupError(f"{sbatch} not found: set slurm.bin_dir to where sbatch is, or run "
+                             "`apt-get install slurm-wlm munge` to try Slurm on this machine")
+
+
+def _banner(cfg: dict, passwords: dict, cluster) -> str:
+    hub = cfg["hub"]
+    host = "127.0.0.1" if hub["ip"] in ("0.0.0.0", "") else hub["ip"]
+    url = f"http://{host}:{hub['port']}{hub['base_url']}"
+    lines = [f"scalelab hub: {cfg['course']['name']} — mode {cfg['mode']}",
+             f"  open      {url}"]
+    if cfg["auth"]["type"] == "shared-password":
+        lines.append(f"  log in    with any user name (lower-case letters, digits, - or _) and the password: "
+                     f"{passwords['user']}")
+        if passwords.get("admin"):
+            lines.append(f"  admins    {', '.join(cfg['hub']['admin_users'])}: password in "
+                         f"{Path(hub['state_dir']) / 'admin_password'} (or auth.admin_password)")
+    else:
+        lines.append("  log in    with your Unix account (PAM)")
+    if cluster is not None:
+        lines.append(f"  Slurm     local single-node cluster, SLURM_CONF={cfg['slurm']['conf']}")
+    lines.append(f"  state     {hub['state_dir']} (database, secrets, homes); stop with Ctrl-C")
+    return "\n".join(lines)
+
+
+def run_hub(args) -> int:
+    """`scalelab hub`: check the settings, prepare what the mode needs, print how to log in, run JupyterHub."""
+    from .auth import ensure_passwords
+
+    overrides: dict = {"mode": args.mode} if args.mode else {}
+    cfg = load_settings(args.config, overrides)
+    cluster = None
+    if cfg["mode"] == "slurm" and not args.check:
+        extra, cluster = slurm_overrides(cfg)
+        if extra:
+            overrides = deep_merge(overrides, extra)
+            cfg = load_settings(args.config, overrides)
+        if cluster is not None and cfg["slurm"]["reservation"]:
+            import pwd
+            cluster.ensure_reservation(cfg["slurm"]["reservation"], users=[pwd.getpwuid(os.geteuid()).pw_name])
+    _preflight(cfg)
+    if args.check:
+        print(json.dumps(cfg, indent=1))
+        return 0
+    passwords = ensure_passwords(cfg)
+    if cfg["kernels"]["install"]:
+        from .kernels import install_kernels
+        preset = cfg["kernels"]["preset"]
+        if preset == "auto":
+            preset = "local" if cfg["mode"] == "local" or cluster is not None else "cluster"
+        install_kernels(preset)
+    print(_banner(cfg, passwords, cluster), flush=True)
+    env = dict(os.environ)
+    env[ENV_SETTINGS] = str(Path(args.config).resolve()) if args.config else ""
+    env[ENV_OVERRIDES] = json.dumps(overrides)
+    os.makedirs(cfg["hub"]["state_dir"], mode=0o700, exist_ok=True)
+    os.chdir(cfg["hub"]["state_dir"])  # anything JupyterHub writes beside itself lands in the state dir
+    argv = [sys.executable, "-m", "jupyterhub", "-f", str(hub_config_dir() / "jupyterhub_config.py")]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached

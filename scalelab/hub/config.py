@@ -1,0 +1,192 @@
+"""Course settings applied to a JupyterHub traitlets config, one small `update_*(c, cfg)` function per concern.
+
+`hub_config/jupyterhub_config.py` calls `apply_settings(c, cfg)` and then `load_config_d(c, cfg)`. Each
+`update_*` function only sets traits (no files written, nothing started), so each is tested against a bare
+`traitlets.config.Config()`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Mapping
+
+from .options import profiles_from_settings
+from .provision import resolve_source
+
+LOCAL_SPAWNER = "scalelab.hub.local_spawner.CourseLocalSpawner"
+SLURM_SPAWNER = "scalelab.hub.slurm_spawner.CourseSlurmSpawner"
+#: Login names allowed: they become directory names, Slurm job names and (with PAM) Unix accounts.
+USERNAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
+
+
+def python_bin(cfg: Mapping) -> str:
+    """Directory of the course environment's executables (jupyterhub-singleuser, python)."""
+    return cfg["servers"].get("python_bin") or os.path.dirname(sys.executable)
+
+
+def find_proxy(cfg: Mapping) -> str | None:
+    """configurable-http-proxy: beside the course Python first (where `make hub` links it), then on PATH."""
+    candidate = Path(python_bin(cfg)) / "configurable-http-proxy"
+    if candidate.exists():
+        return str(candidate)
+    return shutil.which("configurable-http-proxy")
+
+
+def update_hub(c, cfg: Mapping) -> None:
+    """Addresses, database, secrets and pid files under the state dir, proxy, named servers, restart behaviour."""
+    hub, state = cfg["hub"], Path(cfg["hub"]["state_dir"])
+    c.JupyterHub.ip = hub["ip"]
+    c.JupyterHub.port = hub["port"]
+    c.JupyterHub.hub_ip = hub["hub_ip"]
+    c.JupyterHub.hub_port = hub["hub_port"]
+    if hub.get("connect_ip"):
+        c.JupyterHub.hub_connect_ip = hub["connect_ip"]
+    c.JupyterHub.base_url = hub["base_url"]
+    c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
+    c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+    c.JupyterHub.pid_file = str(state / "jupyterhub.pid")
+    c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{hub['proxy_api_port']}"
+    proxy = find_proxy(cfg)
+    if proxy:
+        c.ConfigurableHTTPProxy.command = [proxy]
+    c.JupyterHub.cleanup_servers = not hub["keep_servers_on_restart"]
+    c.JupyterHub.allow_named_servers = hub["named_servers"] > 0
+    c.JupyterHub.named_server_limit_per_user = hub["named_servers"]
+    c.JupyterHub.template_vars = {"announcement": cfg["course"]["name"]}
+    # processes the hub starts here (the idle culler, local servers): SIGINT, then SIGTERM, then SIGKILL, 3 s
+    # apart; JupyterHub's 10 + 5 + 5 s made every hub stop wait ~30 s for the culler
+    c.LocalProcessSpawner.interrupt_timeout = 3
+    c.LocalProcessSpawner.term_timeout = 3
+    c.LocalProcessSpawner.kill_timeout = 3
+
+
+def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
+    """Shared-password login (the local default) or PAM; admins; who may log in; safe user names."""
+    auth = cfg["auth"]
+    c.Authenticator.admin_users = set(cfg["hub"]["admin_users"])
+    c.Authenticator.username_pattern = USERNAME_PATTERN
+    if auth["allowed_users"]:
+        c.Authenticator.allowed_users = set(auth["allowed_users"])
+    else:
+        c.Authenticator.allow_all = True
+    if auth["type"] == "pam":
+        c.JupyterHub.authenticator_class = "pam"
+        return
+    c.JupyterHub.authenticator_class = "shared-password"
+    c.SharedPasswordAuthenticator.user_password = passwords["user"]
+    if passwords.get("admin"):
+        c.SharedPasswordAuthenticator.admin_password = passwords["admin"]
+
+
+def update_servers(c, cfg: Mapping) -> None:
+    """The single-user server: absolute command, timeouts, polling, an explicit environment, homes."""
+    servers = cfg["servers"]
+    bindir = python_bin(cfg)
+    c.Spawner.cmd = [os.path.join(bindir, "jupyterhub-singleuser")]
+    c.Spawner.default_url = servers["default_url"]
+    c.Spawner.start_timeout = servers["start_timeout"]
+    c.Spawner.http_timeout = servers["http_timeout"]
+    c.Spawner.poll_interval = servers["poll_interval"]
+    # JupyterHub >= 5.2 keeps almost nothing of its own environment: say exactly what a server gets.
+    c.Spawner.env_keep = []
+    path = [bindir, "/usr/local/bin", "/usr/bin", "/bin"]
+    if cfg["mode"] == "slurm":
+        path.insert(1, cfg["slurm"]["bin_dir"])
+    c.Spawner.environment = {"PATH": ":".join(dict.fromkeys(path)), "LANG": "C.UTF-8",
+                             **servers["environment"]}
+    sect = c.CourseSpawner  # shared by both course spawner classes
+    sect.run_as = servers["run_as"]
+    sect.home_template = servers["home"].replace("{state_dir}", cfg["hub"]["state_dir"])
+    sect.python_bin = bindir
+
+
+def update_local_spawner(c, cfg: Mapping) -> None:
+    """local mode: each server a process on this machine, reachable on the loopback only."""
+    c.JupyterHub.spawner_class = LOCAL_SPAWNER
+    c.CourseLocalSpawner.ip = "127.0.0.1"
+
+
+def exec_prefix(cfg: Mapping) -> str:
+    """Prefix of Slurm commands: the setting, else sudo to the student with student-accounts, else none."""
+    if cfg["slurm"]["exec_prefix"]:
+        return cfg["slurm"]["exec_prefix"]
+    return "sudo -E -u {username}" if cfg["servers"]["run_as"] == "student-accounts" else ""
+
+
+def update_slurm_spawner(c, cfg: Mapping) -> None:
+    """slurm mode: batch jobs shaped by the course profiles, polled gently, with absolute paths."""
+    slurm = cfg["slurm"]
+    c.JupyterHub.spawner_class = SLURM_SPAWNER
+    s = c.CourseSlurmSpawner
+    s.profiles = [asdict(p) for p in profiles_from_settings(slurm)]
+    s.default_profile = slurm["default_profile"]
+    s.slurm_bin_dir = slurm["bin_dir"]
+    s.slurm_conf = slurm["conf"]
+    s.exec_prefix = exec_prefix(cfg)
+    s.course_prologue = slurm["prologue"]
+    s.log_dir_template = slurm["log_dir"]
+    s.bind_ip = slurm["server_ip"]
+    s.node_address = slurm["node_address"]
+    s.poll_min = float(slurm["poll_min"])
+    s.poll_max = float(slurm["poll_max"])
+    s.singleuser_wrapper = os.path.join(python_bin(cfg), "batchspawner-singleuser")
+
+
+def update_labs(c, cfg: Mapping) -> None:
+    """Which labs are handed out, where in the home, and by whom (hub, or the job in slurm mode)."""
+    labs, sect = cfg["labs"], c.CourseSpawner
+    source = resolve_source(labs["source"])
+    sect.labs_source = str(source) if source else ""
+    sect.labs_dest = labs["dest"]
+    sect.labs_exclude = list(labs["exclude"])
+    if cfg["mode"] == "slurm":
+        c.CourseSlurmSpawner.labs_where = labs["where"]
+
+
+def update_culler(c, cfg: Mapping) -> None:
+    """jupyterhub-idle-culler as a hub-managed service with only the scopes it needs."""
+    culler = cfg["culler"]
+    if not culler["enabled"]:
+        return
+    cmd = [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={culler['timeout']}",
+           f"--cull-every={culler['every']}"]
+    if culler["max_age"]:
+        cmd.append(f"--max-age={culler['max_age']}")
+    services = [s for s in (c.JupyterHub.get("services") or []) if s.get("name") != "idle-culler"]
+    c.JupyterHub.services = services + [{"name": "idle-culler", "command": cmd}]
+    roles = [r for r in (c.JupyterHub.get("load_roles") or []) if r.get("name") != "idle-culler"]
+    c.JupyterHub.load_roles = roles + [{"name": "idle-culler", "scopes": CULLER_SCOPES, "services": ["idle-culler"]}]
+
+
+def apply_settings(c, cfg: Mapping, passwords: Mapping | None = None) -> None:
+    """Create the state dir, then every update_* in order; passwords default to ensure_passwords(cfg)."""
+    os.makedirs(cfg["hub"]["state_dir"], mode=0o700, exist_ok=True)
+    if passwords is None:
+        from .auth import ensure_passwords
+        passwords = ensure_passwords(cfg)
+    update_hub(c, cfg)
+    update_auth(c, cfg, passwords)
+    update_servers(c, cfg)
+    if cfg["mode"] == "slurm":
+        update_slurm_spawner(c, cfg)
+    else:
+        update_local_spawner(c, cfg)
+    update_labs(c, cfg)
+    update_culler(c, cfg)
+
+
+def load_config_d(c, cfg: Mapping) -> list[str]:
+    """Exec every *.py in hub.config_d (sorted) with `c` and `cfg` in scope: the escape hatch. Returns the files."""
+    folder = cfg["hub"].get("config_d")
+    if not folder or not os.path.isdir(folder):
+        return []
+    files = sorted(str(p) for p in Path(folder).glob("*.py"))
+    for path in files:
+        code = compile(Path(path).read_text(encoding="utf-8"), path, "exec")
+        exec(code, {"c": c, "cfg": cfg, "__file__": path, "__name__": "jupyterhub_config_d"})
+    return files

@@ -1,0 +1,209 @@
+"""Course profiles and the bounds on what a student may ask for when starting a server.
+
+A student (through the spawn form or the REST API) may send only two user options:
+
+- ``profile``: the name of one of the course's profiles (resources, partition, account, reservation fixed by it);
+- ``walltime``: optionally *less* time than the profile allows (minutes, ``H:MM:SS`` or ``D-H:MM:SS``).
+
+Anything else — another reservation, more GPUs, a longer walltime, extra ``#SBATCH`` text — is refused with a
+message that says what is allowed. The batch script is then built from the resolved `JobRequest` only, never from
+the raw user options.
+"""
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ..errors import ScalelabError
+
+#: The only user options a student may send.
+ALLOWED_OPTIONS = ("profile", "walltime")
+
+#: Walltimes offered in the spawn form besides "the profile's full time" (seconds).
+FORM_WALLTIMES = (30 * 60, 3600, 2 * 3600, 4 * 3600, 8 * 3600)
+
+
+class OptionError(ScalelabError, ValueError):
+    """A user option is unknown or out of bounds; the message is safe to show to the student."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One choice in the spawn form: everything about the job except how long (up to `walltime`)."""
+
+    name: str
+    """Short id a REST caller passes as user option `profile`."""
+    display_name: str
+    """What the spawn form shows."""
+    partition: str
+    """Slurm partition (--partition)."""
+    walltime: str
+    """Longest time a student may ask for, H:MM:SS or D-HH:MM:SS (--time)."""
+    description: str = ""
+    """One line under the name in the form."""
+    nodes: int = 1
+    """Nodes in the job (--nodes)."""
+    tasks_per_node: int = 1
+    """Tasks per node (--ntasks-per-node)."""
+    cpus_per_task: int = 1
+    """CPUs per task (--cpus-per-task)."""
+    gpus_per_node: int = 0
+    """GPUs per node (--gres=gpu[:type]:N); 0 = none."""
+    gpu_type: str = ""
+    """GPU model in the gres request ("" = any)."""
+    memory: str = ""
+    """Memory per node (--mem); "" = the partition's default."""
+    account: str = ""
+    """--account ("" = the course's)."""
+    qos: str = ""
+    """--qos ("" = the course's)."""
+    reservation: str = ""
+    """--reservation ("" = the course's class reservation)."""
+    constraint: str = ""
+    """--constraint feature expression."""
+    prologue: str = ""
+    """Shell lines run before the server, after the course prologue."""
+
+    @property
+    def gres(self) -> str:
+        """The --gres value for the GPUs, or ""."""
+        if not self.gpus_per_node:
+            return ""
+        return f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpu_type else f"gpu:{self.gpus_per_node}"
+
+    @property
+    def max_seconds(self) -> int:
+        """The profile's walltime in seconds."""
+        return parse_walltime(self.walltime)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What will be asked of Slurm: a profile and a walltime within it. Built only by `resolve_options`."""
+
+    profile: Profile
+    """The chosen profile."""
+    seconds: int
+    """Walltime in seconds, at most the profile's."""
+
+    @property
+    def walltime(self) -> str:
+        """The walltime as Slurm writes it."""
+        return format_walltime(self.seconds)
+
+    def to_user_options(self) -> dict:
+        """The canonical user options for this request (what the hub stores and re-uses)."""
+        return {"profile": self.profile.name, "walltime": self.walltime}
+
+
+def profiles_from_settings(slurm: Mapping[str, Any]) -> list[Profile]:
+    """Profiles from the `slurm` settings section, course-wide account/qos/reservation filled in."""
+    out = []
+    for raw in slurm.get("profiles", []):
+        p = dict(raw)
+        for key in ("account", "qos", "reservation"):
+            if not p.get(key):
+                p[key] = slurm.get(key, "")
+        out.append(Profile(**p))
+    return out
+
+
+def parse_walltime(value: Any) -> int:
+    """Seconds in a walltime: whole minutes (int or digits), 'H:MM:SS' or 'D-H:MM:SS'."""
+    if isinstance(value, bool):
+        raise OptionError(f"walltime {value!r} is not a duration; give minutes (e.g. 90) or H:MM:SS (e.g. 1:30:00)")
+    if isinstance(value, int):
+        minutes = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        minutes = int(value.strip())
+    elif isinstance(value, str):
+        m = re.fullmatch(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)", value.strip())
+        if not m:
+            raise OptionError(f"walltime {value!r} is not a duration; give minutes (e.g. 90) or H:MM:SS "
+                              "(e.g. 1:30:00)")
+        days, hours, mins, secs = (int(g or 0) for g in m.groups())
+        return ((days * 24 + hours) * 60 + mins) * 60 + secs
+    else:
+        raise OptionError(f"walltime {value!r} is not a duration; give minutes (e.g. 90) or H:MM:SS (e.g. 1:30:00)")
+    if minutes <= 0:
+        raise OptionError(f"walltime {value!r} must be at least 1 minute")
+    return minutes * 60
+
+
+def format_walltime(seconds: int) -> str:
+    """'H:MM:SS' (or 'D-HH:MM:SS' from a day up) for Slurm's --time."""
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    mins, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{mins:02d}:{secs:02d}"
+    return f"{hours}:{mins:02d}:{secs:02d}"
+
+
+def _single(value: Any) -> Any:
+    # form data arrives as lists of strings; a REST caller may send anything
+    if isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
+
+
+def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[Profile], default_profile: str = "",
+                    unavailable: Iterable[str] = ()) -> JobRequest:
+    """The JobRequest for a student's user options, or OptionError saying what is not allowed."""
+    profiles = {p.name: p for p in profiles}
+    options = dict(user_options or {})
+    unknown = sorted(str(k) for k in options if k not in ALLOWED_OPTIONS)
+    if unknown:
+        raise OptionError(f"option(s) {unknown} cannot be set; a server takes only 'profile' (one of "
+                          f"{sorted(profiles)}) and optionally a shorter 'walltime'. Partition, GPUs, memory, "
+                          "account and reservation come with the profile.")
+    name = _single(options.get("profile")) or default_profile or next(iter(profiles), "")
+    if not isinstance(name, str) or name not in profiles:
+        raise OptionError(f"profile {name!r} does not exist; choose one of {sorted(profiles)}")
+    if name in set(unavailable):
+        raise OptionError(f"profile {name!r} is not available on this cluster (its partition "
+                          f"{profiles[name].partition!r} does not exist); choose another")
+    profile = profiles[name]
+    walltime = _single(options.get("walltime"))
+    seconds = profile.max_seconds if walltime in (None, "") else parse_walltime(walltime)
+    if seconds > profile.max_seconds:
+        raise OptionError(f"walltime {format_walltime(seconds)} is longer than profile {profile.display_name!r} "
+                          f"allows ({profile.walltime}); ask for {profile.walltime} or less")
+    return JobRequest(profile=profile, seconds=seconds)
+
+
+def options_from_form(formdata: Mapping[str, list[str]]) -> dict:
+    """Spawn-form data to user options: single values unpacked, an empty walltime dropped."""
+    out = {key: _single(value) for key, value in formdata.items()}
+    if out.get("walltime") in ("", None):
+        out.pop("walltime", None)
+    return out
+
+
+def options_form_html(profiles: Iterable[Profile], default_profile: str = "", unavailable: Iterable[str] = ()) -> str:
+    """The spawn form: one radio button per profile, and a walltime choice within the profile's limit."""
+    unavailable = set(unavailable)
+    profiles = list(profiles)
+    default = default_profile or (profiles[0].name if profiles else "")
+    rows = []
+    for p in profiles:
+        esc = html.escape
+        off = p.name in unavailable
+        checked = " checked" if p.name == default and not off else ""
+        note = " (not available on this cluster)" if off else ""
+        rows.append(
+            f'<div class="radio"><label><input type="radio" name="profile" value="{esc(p.name)}"{checked}'
+            f'{" disabled" if off else ""}> <strong>{esc(p.display_name)}</strong>{esc(note)}'
+            f'<br><small>{esc(p.description)} — partition {esc(p.partition)}, up to {esc(p.walltime)}'
+            f"</small></label></div>")
+    times = "".join(f'<option value="{format_walltime(s)}">{format_walltime(s)}</option>' for s in FORM_WALLTIMES)
+    return (
+        '<div class="form-group"><p>Choose the resources for your JupyterLab session:</p>'
+        + "".join(rows)
+        + '</div><div class="form-group"><label for="scalelab-walltime">Time limit</label>'
+        '<select class="form-control" name="walltime" id="scalelab-walltime">'
+        '<option value="" selected>the profile\'s full time</option>' + times + "</select>"
+        "<small>A shorter time starts sooner on a busy cluster; longer than the profile allows is refused."
+        "</small></div>")

@@ -1,0 +1,201 @@
+"""The course settings file: read (YAML or TOML), merged over the defaults, checked against the schema.
+
+Every setting has a default in `hub_config/course_defaults.yaml`; a course file (`hub_config/course.yaml`, or
+the file given to `scalelab hub --config`) overrides what it names. Relative paths are resolved against the
+directory of the file that sets them, so a course file can live anywhere. A mistake is reported with the
+setting's dotted path, the value found, what is expected and how to fix it.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ..errors import ScalelabError
+
+#: Environment variables `scalelab hub` uses to hand the settings to `jupyterhub_config.py`.
+ENV_SETTINGS = "SCALELAB_HUB_SETTINGS"
+ENV_OVERRIDES = "SCALELAB_HUB_OVERRIDES"
+
+#: Settings holding a path that is resolved against the directory of the file setting it ("" and "auto" stay).
+PATH_KEYS = (("hub", "state_dir"), ("hub", "config_d"), ("labs", "source"), ("slurm", "conf"),
+             ("servers", "python_bin"))
+
+
+class SettingsError(ScalelabError, ValueError):
+    """The course settings are wrong; the message names each bad setting and how to fix it."""
+
+
+def hub_config_dir() -> Path:
+    """The repository's `hub_config/` folder (defaults, schema, templates, the example course file)."""
+    return Path(__file__).resolve().parents[2] / "hub_config"
+
+
+def default_settings_path() -> Path:
+    """The course file used when none is given: `hub_config/course.yaml`."""
+    return hub_config_dir() / "course.yaml"
+
+
+def read_settings_file(path: str | os.PathLike) -> dict:
+    """One settings file as a dict (YAML for .yaml/.yml, TOML for .toml), relative paths made absolute."""
+    path = Path(path)
+    if not path.is_file():
+        raise SettingsError(f"course settings file {str(path)!r} not found; pass an existing file with "
+                            f"--config, or copy {default_settings_path()} and edit it")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            raise SettingsError(f"{path}: unknown settings format {path.suffix!r}; name the file *.yaml or *.toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        raise SettingsError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: the top level must be a mapping of sections (mode, hub, slurm, ...), "
+                            f"found {type(data).__name__}")
+    return resolve_paths(data, path.parent)
+
+
+def resolve_paths(data: dict, base: Path) -> dict:
+    """A copy of `data` whose path settings (PATH_KEYS) are absolute, relative ones taken from `base`."""
+    data = copy.deepcopy(data)
+    for section, key in PATH_KEYS:
+        sect = data.get(section)
+        if isinstance(sect, dict) and isinstance(sect.get(key), str) and sect[key] not in ("", "auto"):
+            value = os.path.expanduser(sect[key])
+            sect[key] = os.path.normpath(value if os.path.isabs(value) else base / value)
+    return data
+
+
+def deep_merge(base: Mapping, over: Mapping) -> dict:
+    """`over` merged into a copy of `base`: mappings merge key by key, everything else (lists too) replaces."""
+    out = copy.deepcopy(dict(base))
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_schema() -> dict:
+    """The JSON schema of the settings (hub_config/course_settings.schema.json)."""
+    return json.loads((hub_config_dir() / "course_settings.schema.json").read_text(encoding="utf-8"))
+
+
+def load_settings(path: str | os.PathLike | None = None, overrides: Mapping | None = None) -> dict:
+    """Defaults, then the course file (default hub_config/course.yaml), then `overrides`; validated."""
+    cfg = read_settings_file(hub_config_dir() / "course_defaults.yaml")
+    if path is not None or default_settings_path().is_file():
+        cfg = deep_merge(cfg, read_settings_file(path if path is not None else default_settings_path()))
+    if overrides:
+        cfg = deep_merge(cfg, resolve_paths(dict(overrides), Path.cwd()))
+    where = str(path) if path is not None else str(default_settings_path())
+    validate_settings(cfg, where=where)
+    return cfg
+
+
+def load_settings_from_env(environ: Mapping[str, str] | None = None) -> dict:
+    """The settings `scalelab hub` chose, handed over in SCALELAB_HUB_SETTINGS / SCALELAB_HUB_OVERRIDES."""
+    environ = os.environ if environ is None else environ
+    overrides = json.loads(environ[ENV_OVERRIDES]) if environ.get(ENV_OVERRIDES) else None
+    return load_settings(environ.get(ENV_SETTINGS) or None, overrides)
+
+
+def validate_settings(cfg: Mapping, where: str = "course settings") -> None:
+    """Raise SettingsError listing every schema violation and cross-field mistake in `cfg`."""
+    import jsonschema
+
+    schema = load_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    problems = [_explain(e, schema) for e in sorted(validator.iter_errors(cfg), key=lambda e: list(e.path))]
+    if not problems:
+        problems = cross_checks(cfg)
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise SettingsError(f"{len(problems)} problem(s) in {where}:\n{listed}\n"
+                            f"Every setting, with its default and meaning, is in {hub_config_dir()}/"
+                            "course_defaults.yaml and course_settings.schema.json.")
+
+
+def cross_checks(cfg: Mapping) -> list[str]:
+    """Mistakes the schema cannot see: references between settings."""
+    problems = []
+    slurm = cfg.get("slurm", {})
+    names = [p["name"] for p in slurm.get("profiles", [])]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        problems.append(f"slurm.profiles: the name(s) {dupes} are used more than once; give each profile its own name")
+    default = slurm.get("default_profile", "")
+    if default and default not in names:
+        problems.append(f"slurm.default_profile: {default!r} is not one of the profiles {names}; "
+                        "set it to one of those names")
+    auth = cfg.get("auth", {})
+    if auth.get("password") and auth.get("password") == auth.get("admin_password"):
+        problems.append("auth.admin_password: must differ from auth.password")
+    if cfg.get("servers", {}).get("run_as") == "hub-account" and "{username}" not in cfg["servers"].get("home", ""):
+        problems.append(f"servers.home: {cfg['servers'].get('home')!r} must contain {{username}} so that every "
+                        "student gets their own directory, e.g. '{state_dir}/homes/{username}'")
+    if cfg.get("slurm", {}).get("poll_max", 5) < cfg.get("slurm", {}).get("poll_min", 0.5):
+        problems.append("slurm.poll_max: must be at least slurm.poll_min")
+    return problems
+
+
+def _dotted(path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _subschema(schema: dict, root: dict) -> dict:
+    ref = schema.get("$ref")
+    if ref and ref.startswith("#/$defs/"):
+        return root["$defs"][ref.rsplit("/", 1)[1]]
+    return schema
+
+
+def _explain(error, root: dict) -> str:
+    """One schema violation as 'where: what was found; what is expected (example)'."""
+    where = _dotted(error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = [k for k in error.instance if k not in allowed]
+        hints = []
+        for key in extra:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return f"{where}: unknown setting {', '.join(hints)}; the settings here are {allowed}"
+    if error.validator == "required":
+        return f"{where}: {error.message}; add it"
+    sub = _subschema(error.schema, root)
+    expected = sub.get("description", "")
+    if error.validator == "enum":
+        expected = f"one of {error.validator_value}"
+    elif error.validator == "type":
+        expected = f"a value of type {error.validator_value}" + (f" ({expected})" if expected else "")
+    elif error.validator in ("minimum", "maximum", "minItems", "minLength", "maxLength"):
+        expected = f"{error.validator} {error.validator_value}" + (f" ({expected})" if expected else "")
+    examples = sub.get("examples")
+    example = f", e.g. {examples[0]!r}" if examples else ""
+    return f"{where}: {error.instance!r} is not valid; expected {expected or error.message}{example}"
+
+
+def course_value(cfg: Mapping, dotted: str, default: Any = None) -> Any:
+    """cfg['a']['b'] for 'a.b' (a small helper for callers that only read)."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node

@@ -1,0 +1,394 @@
+"""The slurm mode's spawner: batchspawner's SlurmSpawner with the course profiles and its known bugs fixed.
+
+What differs from batchspawner 1.3.0 (each was seen to go wrong with JupyterHub 6.1.1, see STACK_FACTS):
+
+- user options are bounded (`scalelab.hub.options`): only a course profile and a shorter walltime; the batch
+  script is rendered from the resolved request (`scalelab.hub.batch`), never from raw user options;
+- the port callback accepts only an integer port (`scalelab.hub.api`, installed when this module is imported);
+- Slurm commands run without a shell, by absolute path, with SLURM_CONF handed over explicitly;
+- squeue is asked every `poll_min` seconds at first, backing off to `poll_max` while the job waits in the queue;
+  the port arrives as an event, so a running job costs no extra polling;
+- a job that ends before its server listens fails the spawn at once, with the tail of the job's log;
+- an squeue error that is not "no such job" keeps the server (the upstream drops it and orphans the job);
+- a job cancelled from outside (`scancel`) is seen at the hub's next poll and the server is marked stopped;
+- progress says where the job waits in the queue, and why.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import time
+from pathlib import Path
+
+import batchspawner  # noqa: F401  (importing it adds its unsafe API handler: replaced just below)
+from batchspawner import JobStatus, SlurmSpawner
+from tornado import web
+from traitlets import Dict, Float, List, Unicode, default
+
+from .api import install_port_handler
+from .batch import default_template_path, render_batch_script
+from .course_spawner import CourseSpawner
+from .options import OptionError, options_form_html, options_from_form, profiles_from_settings, resolve_options
+
+install_port_handler()
+
+_RUNNING = {"RUNNING"}
+_PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
+_HELD = {"SUSPENDED", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT"}  # still there: neither started nor gone
+# Everything else (COMPLETING, COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...) has ended.
+
+
+class SpawnFailed(RuntimeError):
+    """A spawn failed for a reason the student should read (shown by JupyterHub as the failure message)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.jupyterhub_message = message
+
+
+class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
+    """A student's server as a Slurm job, shaped by a course profile the student picks."""
+
+    profiles = List(Dict(), help="Course profiles (dicts of scalelab.hub.options.Profile fields).").tag(config=True)
+    default_profile = Unicode("", help="Profile used when the student names none.").tag(config=True)
+    slurm_bin_dir = Unicode("/usr/bin", help="Absolute directory of sbatch, squeue, scancel, sinfo.").tag(config=True)
+    slurm_conf = Unicode("", help="SLURM_CONF for every Slurm command and job ('' = Slurm's default)."
+                         ).tag(config=True)
+    course_prologue = Unicode("", help="Shell lines every job runs before the server.").tag(config=True)
+    log_dir_template = Unicode("{home}/.scalelab/jobs", help="Job log folder; {home}, {username} filled in."
+                               ).tag(config=True)
+    bind_ip = Unicode("0.0.0.0", help="Address the server binds to on the compute node.").tag(config=True)
+    node_address = Unicode("", help="Address the hub reaches the node by; {host} is the node name ('' = it)."
+                           ).tag(config=True)
+    poll_min = Float(0.5, help="First interval between squeue calls while starting (s).").tag(config=True)
+    poll_max = Float(5.0, help="Longest interval between squeue calls while starting (s).").tag(config=True)
+    batch_template = Unicode(help="Path of the batch script template (jinja2).").tag(config=True)
+    singleuser_wrapper = Unicode(help="Absolute path of batchspawner-singleuser (reports the port).").tag(config=True)
+    log_tail_lines = 25
+
+    _partitions_cache: tuple[float, set[str] | None] = (0.0, None)
+
+    @default("batch_template")
+    def _batch_template_default(self):
+        return str(default_template_path())
+
+    @default("singleuser_wrapper")
+    def _wrapper_default(self):
+        return os.path.join(self.python_bin, "batchspawner-singleuser")
+
+    @default("options_form")
+    def _options_form_default(self):
+        return CourseSlurmSpawner._render_form
+
+    @default("options_from_form")
+    def _options_from_form_default(self):
+        return options_from_form
+
+    @default("apply_user_options")
+    def _apply_default(self):
+        return CourseSlurmSpawner._apply_course_options
+
+    @default("req_homedir")
+    def _homedir_default(self):
+        return str(self.course_home())
+
+    # -- profiles and options -----------------------------------------------------------------------------------
+
+    def course_profiles(self):
+        """The profiles as scalelab.hub.options.Profile objects."""
+        return profiles_from_settings({"profiles": self.profiles})
+
+    async def unavailable_profiles(self) -> set[str]:
+        """Names of profiles whose partition this cluster does not have (sinfo, cached for a minute)."""
+        stamp, parts = CourseSlurmSpawner._partitions_cache
+        if parts is None or time.monotonic() - stamp > 60:
+            rc, out, _ = await self._slurm([self._bin("sinfo"), "-h", "-o", "%R"], timeout=20)
+            parts = set(out.split()) if rc == 0 else None
+            CourseSlurmSpawner._partitions_cache = (time.monotonic(), parts)
+        if not parts:
+            return set()
+        return {p.name for p in self.course_profiles() if p.partition not in parts}
+
+    @staticmethod
+    async def _render_form(spawner):
+        return options_form_html(spawner.course_profiles(), spawner.default_profile,
+                                 await spawner.unavailable_profiles())
+
+    @staticmethod
+    async def _apply_course_options(spawner, user_options):
+        try:
+            spawner.job_request = resolve_options(user_options, spawner.course_profiles(), spawner.default_profile,
+                                                  await spawner.unavailable_profiles())
+        except OptionError as e:
+            raise web.HTTPError(400, str(e)) from None
+
+    # -- running Slurm commands: no shell, absolute paths, explicit environment ------------------------------------
+
+    def _bin(self, name: str) -> str:
+        return os.path.join(self.slurm_bin_dir, name)
+
+    def _prefix(self) -> list[str]:
+        return shlex.split(self.exec_prefix.format(username=self.user.name)) if self.exec_prefix else []
+
+    def slurm_env(self) -> dict:
+        """Environment of Slurm client commands: only what they need."""
+        env = {"PATH": f"{self.slurm_bin_dir}:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if self.slurm_conf:
+            env["SLURM_CONF"] = self.slurm_conf
+        return env
+
+    async def _slurm(self, argv, input=None, env=None, timeout=60.0):
+        """Run a Slurm command (argv list); return (returncode, stdout, stderr); never raises for exit codes."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._prefix(), *argv, env=env or self.slurm_env(), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        except OSError as e:
+            return 127, "", f"{argv[0]}: {e}"
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(input.encode() if input else None), timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return 124, "", f"{argv[0]} did not answer in {timeout:g} s"
+        return proc.returncode, out.decode(errors="replace").strip(), err.decode(errors="replace").strip()
+
+    async def run_command(self, cmd, input=None, env=None):
+        """Upstream's shell runner is never used here (commands are argv lists)."""
+        raise RuntimeError("CourseSlurmSpawner runs no shell commands")
+
+    # -- submit, query, cancel --------------------------------------------------------------------------------------
+
+    def get_env(self):
+        """The server's environment, with SLURM_CONF so that `srun`/`sbatch` work from the notebook."""
+        env = super().get_env()
+        if self.slurm_conf:
+            env["SLURM_CONF"] = self.slurm_conf
+        env.setdefault("PATH", f"{self.python_bin}:{self.slurm_bin_dir}:/usr/local/bin:/usr/bin:/bin")
+        return env
+
+    def log_dir(self) -> Path:
+        """Where this student's job logs go."""
+        return Path(self.log_dir_template.format(home=self.course_home(), username=self.user.name))
+
+    def job_log(self) -> Path | None:
+        """The log file of the current job, once it has an id."""
+        return self.log_dir() / f"{self._job_stem()}-{self.job_id}.log" if self.job_id else None
+
+    def _job_stem(self) -> str:
+        return f"jupyter-{self.name}" if self.name else "jupyter"
+
+    def batch_script(self, request) -> str:
+        """The batch script for `request` (a resolved scalelab.hub.options.JobRequest)."""
+        env = self.get_env()
+        name = f"jupyter-{self.user.name}" + (f"-{self.name}" if self.name else "")
+        cmd = [self.singleuser_wrapper, *self.cmd, *self.get_args()]
+        return render_batch_script(
+            request, username=self.user.name, job_name=name,
+            log_path=str(self.log_dir() / f"{self._job_stem()}-%j.log"), workdir=str(self.course_home()),
+            export_vars=env.keys(), cmd=cmd, prologue=self.course_prologue,
+            provision_cmd=self.provision_argv() if self.labs_source and self.labs_where == "job" else (),
+            template=Path(self.batch_template).read_text(encoding="utf-8"))
+
+    async def submit_batch_script(self):
+        """sbatch the script; a spawn cancelled while sbatch runs still cancels the job it created."""
+        request = getattr(self, "job_request", None)
+        if request is None:  # apply_user_options did not run (direct start): resolve here, same bounds
+            await self._apply_course_options(self, self.user_options)
+            request = self.job_request
+        script = self.batch_script(request)
+        self.log.debug("Batch script for %s:\n%s", self._log_name, script)
+        env = self.get_env()
+        env.update({k: v for k, v in self.slurm_env().items() if k not in env})
+        task = asyncio.ensure_future(self._slurm([self._bin("sbatch"), "--parsable"], input=script, env=env))
+        try:
+            rc, out, err = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            rc, out, err = await task
+            if rc == 0:
+                self.job_id = out.splitlines()[-1].split(";")[0]
+                await self.cancel_batch_job()
+            raise
+        if rc != 0:
+            raise SpawnFailed(f"Slurm refused the job (sbatch exit {rc}): {err or out}")
+        try:
+            self.job_id = str(int(out.splitlines()[-1].split(";")[0]))
+        except (ValueError, IndexError):
+            raise SpawnFailed(f"could not read a job id from sbatch's answer {out!r}") from None
+        self.log.info("Submitted job %s for %s (profile %s, %s)", self.job_id, self._log_name,
+                      request.profile.name, request.walltime)
+        return self.job_id
+
+    async def query_job_status(self):
+        """RUNNING / PENDING / UNKNOWN (still there, or squeue failed) / NOTFOUND (ended or unknown to Slurm)."""
+        if not self.job_id:
+            self.job_status = ""
+            return JobStatus.NOTFOUND
+        rc, out, err = await self._slurm([self._bin("squeue"), "-h", "-t", "all", "-j", self.job_id,
+                                          "-o", "%T|%B|%r"], timeout=30)
+        if rc != 0:
+            if "invalid job id" in err.lower():
+                self.job_status = "GONE||"
+                return JobStatus.NOTFOUND
+            self.log.warning("squeue failed for job %s (exit %s): %s; keeping the server", self.job_id, rc, err)
+            return JobStatus.UNKNOWN
+        self.job_status = out.splitlines()[-1] if out else "GONE||"
+        state = self.job_status.split("|")[0]
+        if state in _RUNNING:
+            return JobStatus.RUNNING
+        if state in _PENDING:
+            return JobStatus.PENDING
+        if state in _HELD:
+            return JobStatus.UNKNOWN
+        return JobStatus.NOTFOUND
+
+    def _field(self, i: int) -> str:
+        parts = (self.job_status or "").split("|")
+        return parts[i] if len(parts) > i else ""
+
+    def state_ispending(self):
+        return self._field(0) in _PENDING
+
+    def state_isrunning(self):
+        return self._field(0) in _RUNNING
+
+    def state_gethost(self):
+        host = self._field(1)
+        return self.node_address.format(host=host) if self.node_address else host
+
+    async def cancel_batch_job(self):
+        """scancel the job (errors are logged: the job may already be gone)."""
+        if not self.job_id:
+            return
+        rc, _, err = await self._slurm([self._bin("scancel"), self.job_id], timeout=30)
+        self.log.info("Cancelled job %s of %s%s", self.job_id, self._log_name, f" ({err})" if rc else "")
+
+    # -- the lifecycle ------------------------------------------------------------------------------------------------
+
+    def report_port(self, port: int) -> None:
+        """Called by scalelab.hub.api when the job's server reports its port."""
+        self.port = int(port)
+        event = getattr(self, "_port_event", None)
+        if event is not None:
+            event.set()
+
+    def _job_failure(self, what: str) -> SpawnFailed:
+        """The failure of a job that ended too early, with the tail of its log for the student."""
+        state = self._field(0) or "gone"
+        log = self.job_log()
+        tail = ""
+        if log is not None:
+            try:
+                lines = log.read_text(errors="replace").splitlines()[-self.log_tail_lines:]
+                tail = "\n".join(lines)[-3000:]
+            except OSError as e:
+                tail = f"(could not read the log: {e})"
+        self.clear_state()
+        return SpawnFailed(f"Your job {self.job_id or ''} ended ({state}) {what}. Its log is {log}; "
+                           f"last lines:\n{tail or '(empty)'}")
+
+    async def start(self):
+        """Submit the job, wait in the queue, then for the port and for the server to listen; (host, port)."""
+        self.ip, self.port = self.bind_ip, 0
+        if self.server:
+            self.server.port = 0
+        self._port_event = asyncio.Event()
+        await self.prepare_home(extra_dirs=[self.log_dir()])
+        await self.submit_batch_script()
+        self.db.commit()
+        interval = self.poll_min
+        while True:
+            status = await self.query_job_status()
+            if status == JobStatus.RUNNING:
+                break
+            if status == JobStatus.NOTFOUND:
+                raise self._job_failure("before it started running")
+            await asyncio.sleep(interval)
+            interval = min(interval * 1.5, self.poll_max)
+        host = self.state_gethost()
+        interval = self.poll_min
+        while not self._port_event.is_set():
+            try:
+                await asyncio.wait_for(self._port_event.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                if await self.query_job_status() == JobStatus.NOTFOUND:
+                    raise self._job_failure("before its server reported a port")
+                interval = min(interval * 1.5, self.poll_max)
+        await self._wait_listening(host, self.port)
+        self.log.info("Job %s of %s serves at %s:%s", self.job_id, self._log_name, host, self.port)
+        return host, self.port
+
+    async def _wait_listening(self, host: str, port: int) -> None:
+        """Wait until host:port accepts connections; fail early if the job ends meanwhile."""
+        deadline = time.monotonic() + self.http_timeout
+        next_check = time.monotonic() + self.poll_min
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2)
+                writer.close()
+                return
+            except (OSError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise SpawnFailed(f"the server of job {self.job_id} reported port {port} but did not listen on "
+                                  f"{host}:{port} within {self.http_timeout} s; see {self.job_log()}")
+            if time.monotonic() > next_check:
+                next_check = time.monotonic() + self.poll_max
+                if await self.query_job_status() == JobStatus.NOTFOUND:
+                    raise self._job_failure("before its server answered")
+            await asyncio.sleep(0.1)
+
+    async def poll(self):
+        """None while the job is there (or Slurm cannot say); 1 once it has ended, e.g. after an outside scancel."""
+        status = await self.query_job_status()
+        if status in (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.UNKNOWN):
+            return None
+        self.log.warning("Job %s of %s has ended (%s): marking the server stopped", self.job_id, self._log_name,
+                         self._field(0) or "gone")
+        self.clear_state()
+        return 1
+
+    async def stop(self, now=False):
+        """Cancel the job; unless `now`, wait (up to 10 s) until Slurm no longer runs it."""
+        if not self.job_id:
+            return
+        await self.cancel_batch_job()
+        if now:
+            return
+        for _ in range(20):
+            if await self.query_job_status() not in (JobStatus.RUNNING, JobStatus.UNKNOWN, JobStatus.PENDING):
+                return
+            await asyncio.sleep(0.5)
+        self.log.warning("Job %s of %s may not have ended after scancel", self.job_id, self._log_name)
+
+    async def progress(self):
+        """Progress events: queued (with Slurm's reason), running, server starting."""
+        last = None
+        while True:
+            if self.state_ispending():
+                reason = self._field(2)
+                msg = f"Job {self.job_id} is waiting in the queue" + (f" (reason: {reason})"
+                                                                         if reason and reason != "None" else "")
+                progress = 20
+            elif self.state_isrunning():
+                msg = f"Job {self.job_id} is running on {self._field(1)}: starting JupyterLab"
+                progress = 60
+                if self.port:
+                    msg, progress = f"JupyterLab is up on {self._field(1)}:{self.port}: connecting", 90
+            elif self.job_id:
+                msg, progress = f"Job {self.job_id} submitted", 10
+            else:
+                msg, progress = "Submitting the job to Slurm", 5
+            if msg != last:
+                yield {"progress": progress, "message": msg}
+                last = msg
+            await asyncio.sleep(0.5)
+
+    def get_state(self):
+        """Job id (upstream) plus the chosen profile, kept over hub restarts."""
+        state = super().get_state()
+        request = getattr(self, "job_request", None)
+        if request is not None and self.job_id:
+            state["profile"] = request.profile.name
+        return state
