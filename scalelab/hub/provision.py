@@ -193,6 +193,8 @@ def provision_labs(source: str | os.PathLike, home: str | os.PathLike, dest: str
             writer.write_from(src, target_rel)
             manifest[key] = new
             report.updated.append(key)
+        elif manifest.get(key) == new:  # edited by the student, and the course has nothing newer
+            report.unchanged.append(key)
         else:
             side_rel = dest_rel / beside_name(rel, new)
             if not writer.safe(side_rel):

@@ -1,0 +1,286 @@
+"""A real hub for tests and benchmarks: started from a settings file on free ports, driven over HTTP, torn down.
+
+    with HubRunner(tmp_path, mode="slurm", settings={...}) as hub:
+        alice = hub.login("alice")
+        alice.spawn(options={"profile": "cpu-2h"})
+        alice.wait_ready()
+
+Teardown leaves nothing behind: the hub is stopped, then every process whose environment points at this hub
+(servers, the proxy, the culler) is killed, and every Slurm job of this hub's users is cancelled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import requests
+import yaml
+
+from ..errors import ScalelabError
+
+
+class HubError(ScalelabError):
+    """The test hub did not start, or an API call went wrong; the message has the hub log's tail."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HubUser:
+    """A logged-in user: a browser-like session (cookies) and an API token."""
+
+    def __init__(self, hub: "HubRunner", name: str, session: requests.Session, token: str):
+        self.hub, self.name, self.session, self.token = hub, name, session, token
+
+    def api(self, method: str, path: str, **kw) -> requests.Response:
+        """Call the hub REST API (path after /hub/api) with this user's token."""
+        headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
+        return requests.request(method, f"{self.hub.url}/hub/api{path}", headers=headers, timeout=30, **kw)
+
+    def get(self, path: str, **kw) -> requests.Response:
+        """GET any URL path on the proxy with this user's token (e.g. /user/alice/api/status)."""
+        headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
+        return requests.get(f"{self.hub.url}{path}", headers=headers, timeout=30, allow_redirects=False, **kw)
+
+    def server_path(self, server: str = "") -> str:
+        """/users/NAME/server or /users/NAME/servers/SERVER."""
+        return f"/users/{self.name}/servers/{server}" if server else f"/users/{self.name}/server"
+
+    def spawn(self, server: str = "", options: dict | None = None) -> requests.Response:
+        """POST a spawn request with `options` as the JSON body (the user options)."""
+        return self.api("POST", self.server_path(server), json=options or {})
+
+    def model(self) -> dict:
+        """The user's model from the hub API."""
+        r = self.api("GET", f"/users/{self.name}")
+        r.raise_for_status()
+        return r.json()
+
+    def server_model(self, server: str = "") -> dict | None:
+        """The server's model, or None when the hub lists no such server."""
+        return self.model().get("servers", {}).get(server)
+
+    def wait_ready(self, server: str = "", timeout: float = 120) -> float:
+        """Seconds until the server is ready; HubError if the spawn fails or takes longer than `timeout`."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            s = self.server_model(server)
+            if s and s.get("ready"):
+                return time.monotonic() - t0
+            if s is None:
+                raise HubError(f"{self.name}'s server {server!r} is gone (spawn failed?): "
+                               f"{self.last_progress(server)}\n{self.hub.log_tail()}")
+            time.sleep(0.1)
+        raise HubError(f"{self.name}'s server {server!r} not ready in {timeout} s\n{self.hub.log_tail()}")
+
+    def wait_gone(self, server: str = "", timeout: float = 60) -> float:
+        """Seconds until the hub lists the server no more."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.server_model(server) is None:
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise HubError(f"{self.name}'s server {server!r} still listed after {timeout} s\n{self.hub.log_tail()}")
+
+    def stop(self, server: str = "") -> requests.Response:
+        """Ask the hub to stop the server."""
+        return self.api("DELETE", self.server_path(server))
+
+    def progress(self, server: str = "", timeout: float = 120) -> Iterator[dict]:
+        """The server's progress events (server-sent events), until the stream ends."""
+        path = f"/users/{self.name}/server/progress" if not server else \
+            f"/users/{self.name}/servers/{server}/progress"
+        with requests.get(f"{self.hub.url}/hub/api{path}", headers={"Authorization": f"token {self.token}"},
+                          stream=True, timeout=timeout) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line and line.startswith("data:"):
+                    yield json.loads(line[5:])
+
+    def last_progress(self, server: str = "") -> str:
+        try:
+            events = list(self.progress(server, timeout=5))
+            return events[-1].get("message", "") if events else ""
+        except (requests.RequestException, ValueError):
+            return ""
+
+
+class HubRunner:
+    """`scalelab hub --config <workdir>/course.yaml` on free ports, with a state dir and labs in `workdir`."""
+
+    def __init__(self, workdir: str | os.PathLike, mode: str = "local", settings: dict | None = None,
+                 env: dict | None = None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.mode = mode
+        self.port, self.hub_port, self.api_port = free_port(), free_port(), free_port()
+        self.password = "pw-" + secrets.token_hex(8)
+        self.prefix = "u" + secrets.token_hex(3)  # user names of this hub: unique, so teardown finds their jobs
+        base = {
+            "mode": mode,
+            "hub": {"port": self.port, "hub_port": self.hub_port, "proxy_api_port": self.api_port,
+                    "state_dir": str(self.workdir / "state"), "config_d": ""},
+            "auth": {"password": self.password},
+            "kernels": {"install": False},
+            "culler": {"enabled": False},
+            "labs": {"source": str(self.workdir / "labs")},
+        }
+        from .settings import deep_merge
+        self.settings = deep_merge(base, settings or {})
+        self.config_path = self.workdir / "course.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.settings, sort_keys=False), encoding="utf-8")
+        self.log_path = self.workdir / "hub.log"
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        """The public URL (the proxy)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def user(self, short: str) -> str:
+        """This hub's full user name for `short` (prefixed, unique)."""
+        return f"{self.prefix}-{short}"
+
+    def start(self, timeout: float = 90) -> "HubRunner":
+        """Start the hub and wait until its API answers through the proxy."""
+        self._log = open(self.log_path, "ab")
+        env = {**os.environ, **(self.env or {})}
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        self.proc = subprocess.Popen([sys.executable, "-m", "scalelab.cli", "hub", "--config", str(self.config_path)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise HubError(f"the hub exited with {self.proc.returncode} while starting\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/hub/api/", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise HubError(f"the hub did not answer in {timeout} s\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last lines of the hub's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no hub log)"
+
+    def login(self, short: str) -> HubUser:
+        """Log `short` in through the login form (shared password) and create an API token for them."""
+        name = self.user(short)
+        s = requests.Session()
+        s.get(f"{self.url}/hub/login", timeout=30)
+        r = s.post(f"{self.url}/hub/login", data={"username": name, "password": self.password,
+                                                  "_xsrf": s.cookies.get("_xsrf", "")},
+                   allow_redirects=False, timeout=30)
+        if r.status_code != 302:
+            raise HubError(f"login of {name} answered {r.status_code}\n{self.log_tail()}")
+        xsrf = s.cookies.get("_xsrf", path="/hub/")
+        r = s.post(f"{self.url}/hub/api/users/{name}/tokens", json={"note": "tests", "expires_in": 7200},
+                   headers={"X-XSRFToken": xsrf}, timeout=30)
+        if r.status_code != 201:
+            raise HubError(f"token for {name}: {r.status_code} {r.text}\n{self.log_tail()}")
+        return HubUser(self, name, s, r.json()["token"])
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the hub process (SIGTERM, then SIGKILL); servers it leaves running are left running."""
+        if self.proc is None:
+            return
+        children = []
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._kill([c for c in children if not self._is_server(c)])
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def _is_server(self, proc: psutil.Process) -> bool:
+        try:
+            return "jupyterhub-singleuser" in " ".join(proc.cmdline())
+        except psutil.Error:
+            return False
+
+    def _ours(self) -> list[psutil.Process]:
+        """Every process whose environment talks to this hub (servers, culler) or that serves its ports."""
+        mark = f":{self.hub_port}/hub/api"
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            if p.pid == os.getpid():
+                continue
+            try:
+                env = p.environ()
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if mark in env.get("JUPYTERHUB_API_URL", "") or f"--port {self.port} " in cmd + " ":
+                found.append(p)
+        return found
+
+    @staticmethod
+    def _kill(procs: list[psutil.Process]) -> None:
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    def jobs(self) -> list[dict]:
+        """This hub's users' Slurm jobs still in squeue: [{'id','name','state','partition','reservation',...}]."""
+        if self.mode != "slurm":
+            return []
+        out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%P|%v|%D|%C|%b|%l|%m|%u"], capture_output=True,
+                             text=True, env=self.slurm_env(), timeout=30).stdout
+        keys = ("id", "name", "state", "partition", "reservation", "nodes", "cpus", "gres", "timelimit", "memory",
+                "user")
+        rows = [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+        return [r for r in rows if r["name"].startswith(f"jupyter-{self.prefix}-")]
+
+    def slurm_env(self) -> dict:
+        """Environment for Slurm client commands against the hub's cluster."""
+        conf = self.settings.get("slurm", {}).get("conf") or os.environ.get("SLURM_CONF", "")
+        return {**os.environ, **({"SLURM_CONF": conf} if conf else {})}
+
+    def cleanup(self) -> None:
+        """Stop the hub, kill whatever of it is left, cancel this hub's jobs."""
+        self.stop()
+        self._kill(self._ours())
+        for job in self.jobs():
+            subprocess.run(["scancel", job["id"]], env=self.slurm_env(), capture_output=True, timeout=30)
+
+    def __enter__(self) -> "HubRunner":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()

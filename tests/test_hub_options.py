@@ -1,0 +1,149 @@
+"""Bounds on what a student may ask for, the spawn form, and the batch script as text."""
+from __future__ import annotations
+
+import pytest
+
+from scalelab.hub.batch import render_batch_script
+from scalelab.hub.options import (OptionError, Profile, format_walltime, options_form_html, options_from_form,
+                                  parse_walltime, profiles_from_settings, resolve_options)
+from scalelab.hub.settings import load_settings
+
+SLURM = load_settings()["slurm"]
+
+
+def profiles(**course):
+    return profiles_from_settings({**SLURM, **course})
+
+
+def test_course_values_fill_profiles_that_leave_them_empty():
+    ps = profiles(account="proj", reservation="class", qos="")
+    assert {p.reservation for p in ps} == {"class"} and {p.account for p in ps} == {"proj"}
+    own = profiles_from_settings({"reservation": "class", "profiles": [
+        {"name": "x", "display_name": "X", "partition": "cpu", "walltime": "1:00:00", "reservation": "mine"}]})
+    assert own[0].reservation == "mine"
+
+
+@pytest.mark.parametrize("text, seconds", [(90, 5400), ("90", 5400), ("1:30:00", 5400), ("2-01:00:00", 176400),
+                                           ("0:00:30", 30)])
+def test_walltime_parsing(text, seconds):
+    assert parse_walltime(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["1:30", "2h", "", "-5", 0, True, None, "1:00:00\n#SBATCH --x", 1.5])
+def test_walltime_refuses_what_slurm_could_misread(bad):
+    with pytest.raises(OptionError):
+        parse_walltime(bad)
+
+
+def test_format_walltime():
+    assert format_walltime(5400) == "1:30:00" and format_walltime(90000) == "1-01:00:00"
+
+
+def test_no_options_gives_the_default_profile_with_its_full_time():
+    r = resolve_options({}, profiles(), "cpu-2h")
+    assert r.profile.name == "cpu-2h" and r.walltime == "2:00:00"
+    assert r.to_user_options() == {"profile": "cpu-2h", "walltime": "2:00:00"}
+
+
+def test_a_shorter_walltime_is_granted():
+    assert resolve_options({"profile": "gpu1-2h", "walltime": "0:45:00"}, profiles()).seconds == 2700
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"profile": "cpu-2h", "walltime": "3:00:00"}, "longer than profile 'CPU, 2 h' allows (2:00:00)"),
+    ({"profile": "cpu-2h", "walltime": 100000}, "longer than"),
+    ({"profile": "huge"}, "profile 'huge' does not exist"),
+    ({"profile": ["cpu-2h", "gpu1-2h"]}, "does not exist"),
+    ({"profile": "cpu-2h", "reservation": "other"}, "['reservation'] cannot be set"),
+    ({"profile": "cpu-2h", "gpus_per_node": 8}, "cannot be set"),
+    ({"profile": "cpu-2h", "options": "#SBATCH --exclusive"}, "cannot be set"),
+    ({"profile": "cpu-2h", "walltime": "1:00:00\n#SBATCH --reservation=x"}, "not a duration"),
+])
+def test_out_of_bounds_options_are_refused_with_what_is_allowed(options, message):
+    with pytest.raises(OptionError) as e:
+        resolve_options(options, profiles(), "cpu-2h")
+    assert message in str(e.value)
+
+
+def test_profiles_on_missing_partitions_are_refused():
+    with pytest.raises(OptionError, match="not available on this cluster"):
+        resolve_options({"profile": "gpu1-2h"}, profiles(), "cpu-2h", unavailable={"gpu1-2h"})
+
+
+def test_form_data_becomes_options():
+    assert options_from_form({"profile": ["gpu1-2h"], "walltime": [""]}) == {"profile": "gpu1-2h"}
+    assert options_from_form({"profile": ["cpu-2h"], "walltime": ["1:00:00"]}) == \
+        {"profile": "cpu-2h", "walltime": "1:00:00"}
+
+
+def test_form_lists_profiles_escaped_and_disables_unavailable():
+    ps = profiles() + [Profile(name="evil", display_name="<script>x</script>", partition="cpu",
+                               walltime="1:00:00")]
+    html = options_form_html(ps, "cpu-2h", unavailable={"node4gpu"})
+    assert html.count('type="radio"') == 5
+    assert 'value="cpu-2h" checked' in html
+    assert 'value="node4gpu" disabled' in html and "not available on this cluster" in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def request(name="node4gpu", **course):
+    return resolve_options({"profile": name}, profiles(**course), "cpu-2h")
+
+
+def render(req, **kw):
+    args = dict(username="alice", job_name="jupyter-alice", log_path="/home/alice/.scalelab/jobs/jupyter-%j.log",
+                workdir="/home/alice", export_vars=["PATH", "JUPYTERHUB_API_TOKEN"],
+                cmd=["/venv/bin/batchspawner-singleuser", "/venv/bin/jupyterhub-singleuser"])
+    args.update(kw)
+    return render_batch_script(req, **args)
+
+
+def sbatch_lines(script):
+    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def test_batch_script_has_the_profile_resources_and_the_class_reservation():
+    lines = sbatch_lines(render(request(account="proj", reservation="class")))
+    assert lines == [
+        "#SBATCH --job-name=jupyter-alice",
+        "#SBATCH --output=/home/alice/.scalelab/jobs/jupyter-%j.log",
+        "#SBATCH --chdir=/home/alice",
+        "#SBATCH --export=JUPYTERHUB_API_TOKEN,PATH",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --mem=128G",
+        "#SBATCH --gres=gpu:4",
+        "#SBATCH --account=proj",
+        "#SBATCH --reservation=class",
+    ]
+
+
+def test_batch_script_runs_the_server_with_exec_and_the_prologues():
+    p = Profile(name="x", display_name="X", partition="cpu", walltime="1:00:00", gpu_type="a100", gpus_per_node=2,
+                prologue="module load cuda")
+    text = render(resolve_options({}, [p]), prologue="echo course", provision_cmd=["/venv/bin/python", "-m", "p"])
+    assert "#SBATCH --gres=gpu:a100:2" in text
+    assert text.index("echo course") < text.index("module load cuda") < text.index("/venv/bin/python -m p")
+    assert text.rstrip().endswith("exec /venv/bin/batchspawner-singleuser /venv/bin/jupyterhub-singleuser")
+    assert "#SBATCH --reservation" not in text and "#SBATCH --mem" not in text
+
+
+def test_batch_script_quotes_the_command():
+    text = render(request(), cmd=["/v/bin/x", "--arg=a b; rm -rf /"])
+    assert "exec /v/bin/x '--arg=a b; rm -rf /'" in text
+
+
+@pytest.mark.parametrize("field, value", [("job_name", "a\n#SBATCH --x"), ("workdir", "/home/a b"),
+                                          ("log_path", "/x\n#SBATCH --y"), ("username", "a;b")])
+def test_batch_script_refuses_values_that_would_add_lines(field, value):
+    with pytest.raises(ValueError, match="refusing"):
+        render(request(), **{field: value})
+
+
+def test_batch_script_refuses_a_tampered_profile():
+    p = Profile(name="x", display_name="X", partition="cpu\n#SBATCH --exclusive", walltime="1:00:00")
+    with pytest.raises(ValueError, match="partition"):
+        render(resolve_options({}, [p]))
