@@ -1,0 +1,35 @@
+"""Small helpers shared by the engine tests."""
+from __future__ import annotations
+
+import psutil
+import torch
+
+from scalelab.spec import preset
+
+
+def tiny(tmp_path, name="run", workers=2, **changes):
+    """The tiny preset with `workers` ranks, writing into tmp_path/name, with dotted overrides."""
+    spec = preset("tiny").replace(output_dir=str(tmp_path / name))
+    return spec.with_overrides({"world.workers_per_node": workers, **changes})
+
+
+def processes_of(run_dir) -> list[psutil.Process]:
+    """Live processes whose command line mentions the run directory (ranks, launchers, srun)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def final_params(run_dir) -> dict[str, torch.Tensor]:
+    """The model rank 0 saved at the end of the run."""
+    return torch.load(f"{run_dir}/model.pt")
+
+
+def loss_curve(summary) -> list[float]:
+    """Rank 0's loss per step."""
+    return summary["loss_curve"]
