@@ -69,6 +69,10 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
 
     _partitions_cache: tuple[float, set[str] | None] = (0.0, None)
 
+    @default("exec_prefix")
+    def _exec_prefix_default(self):
+        return "sudo -E -u {username}" if self.run_as == "student-accounts" else ""
+
     @default("batch_template")
     def _batch_template_default(self):
         return str(default_template_path())
@@ -152,6 +156,11 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
             proc.kill()
             await proc.wait()
             return 124, "", f"{argv[0]} did not answer in {timeout:g} s"
+        except asyncio.CancelledError:  # a cancelled spawn: do not leave the command behind
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+            raise
         return proc.returncode, out.decode(errors="replace").strip(), err.decode(errors="replace").strip()
 
     async def run_command(self, cmd, input=None, env=None):

@@ -1,0 +1,306 @@
+"""CourseSlurmSpawner against a scripted fake Slurm (sbatch/squeue/scancel/sinfo as small programs).
+
+The fake keeps its jobs in a JSON file, which the spawner's explicit SLURM_CONF points at (the spawner passes
+nothing else of the environment to Slurm commands, so this also proves SLURM_CONF is handed over). Each test
+moves jobs between states the way Slurm would, or makes Slurm misbehave.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+from batchspawner import JobStatus
+from jupyterhub.objects import Hub
+from tornado import web
+from traitlets.config import Config
+
+from scalelab.hub.slurm_spawner import CourseSlurmSpawner, SpawnFailed
+
+FAKE = textwrap.dedent('''\
+    #!{python}
+    import json, os, sys
+    state_path = os.environ["SLURM_CONF"]
+    st = json.load(open(state_path))
+    cmd = os.path.basename(sys.argv[0])
+    st.setdefault("calls", []).append([cmd] + sys.argv[1:])
+    def save():
+        json.dump(st, open(state_path, "w"))
+    if cmd == "sbatch":
+        if st.get("sbatch_error"):
+            save(); print(st["sbatch_error"], file=sys.stderr); sys.exit(1)
+        jid = str(100 + len(st["jobs"]))
+        st["jobs"][jid] = {{"state": st.get("initial", "PENDING"), "script": sys.stdin.read(), "reason": "Resources"}}
+        save(); print(jid)
+    elif cmd == "squeue":
+        jid = sys.argv[sys.argv.index("-j") + 1]
+        save()
+        if st.get("squeue_error"):
+            print(st["squeue_error"], file=sys.stderr); sys.exit(1)
+        job = st["jobs"].get(jid)
+        if job is None or job["state"] == "PURGED":
+            print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr); sys.exit(1)
+        print(job["state"] + "|" + ("node1" if job["state"] != "PENDING" else "n/a") + "|" + job["reason"])
+    elif cmd == "scancel":
+        st["jobs"][sys.argv[1]]["state"] = "CANCELLED"; save()
+    elif cmd == "sinfo":
+        save(); print("\\n".join(st.get("partitions", ["cpu", "gpu"])))
+''')
+
+
+class FakeSlurm:
+    """The fake scheduler's state, and helpers to move its jobs along."""
+
+    def __init__(self, tmp_path: Path):
+        self.bin = tmp_path / "fakebin"
+        self.bin.mkdir()
+        for name in ("sbatch", "squeue", "scancel", "sinfo"):
+            p = self.bin / name
+            p.write_text(FAKE.format(python=sys.executable))
+            p.chmod(0o755)
+        self.state = tmp_path / "fake-slurm.json"
+        self.write({"jobs": {}})
+
+    def read(self) -> dict:
+        return json.loads(self.state.read_text())
+
+    def write(self, st: dict) -> None:
+        self.state.write_text(json.dumps(st))
+
+    def update(self, **kw) -> None:
+        st = self.read()
+        st.update(kw)
+        self.write(st)
+
+    def set_job(self, jid: str, **kw) -> None:
+        st = self.read()
+        st["jobs"][jid].update(kw)
+        self.write(st)
+
+    def calls(self, cmd: str) -> list[list[str]]:
+        return [c for c in self.read().get("calls", []) if c[0] == cmd]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    return FakeSlurm(tmp_path)
+
+
+@pytest.fixture
+def spawner(fake, tmp_path):
+    CourseSlurmSpawner._partitions_cache = (0.0, None)
+    c = Config()
+    c.CourseSlurmSpawner.slurm_bin_dir = str(fake.bin)
+    c.CourseSlurmSpawner.slurm_conf = str(fake.state)
+    c.CourseSlurmSpawner.home_template = str(tmp_path / "homes/{username}")
+    c.CourseSlurmSpawner.cmd = ["/venv/bin/jupyterhub-singleuser"]
+    c.CourseSlurmSpawner.poll_min = 0.05
+    c.CourseSlurmSpawner.poll_max = 0.2
+    c.CourseSlurmSpawner.http_timeout = 5
+    c.CourseSlurmSpawner.profiles = [
+        {"name": "cpu-1h", "display_name": "CPU, 1 h", "partition": "cpu", "walltime": "1:00:00",
+         "reservation": "class"},
+        {"name": "gpu-1h", "display_name": "GPU, 1 h", "partition": "gpu", "walltime": "1:00:00", "gpus_per_node": 1}]
+    c.CourseSlurmSpawner.default_profile = "cpu-1h"
+    user = SimpleNamespace(name="alice", escaped_name="alice", url="/user/alice/", base_url="/user/alice/")
+    sp = CourseSlurmSpawner(config=c, user=user, hub=Hub(), db=mock.MagicMock(), api_token="secret-token",
+                            oauth_client_id="jupyterhub-user-alice")
+    sp.orm_spawner = None
+    return sp
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def listening_port() -> tuple[socket.socket, int]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+async def start_and_drive(spawner, fake, steps):
+    """Start the spawner while `steps(jid)` (a coroutine) plays Slurm; return start()'s result or exception."""
+    task = asyncio.ensure_future(spawner.start())
+    for _ in range(200):
+        if fake.read()["jobs"]:
+            break
+        await asyncio.sleep(0.02)
+    jid = next(iter(fake.read()["jobs"]))
+    await steps(jid)
+    return await asyncio.wait_for(task, 10)
+
+
+def test_spawn_submits_the_bounded_script_and_returns_the_node(spawner, fake):
+    sock, port = listening_port()
+
+    async def steps(jid):
+        await asyncio.sleep(0.2)
+        fake.set_job(jid, state="RUNNING")
+        await asyncio.sleep(0.2)
+        spawner.report_port(port)
+
+    async def go():
+        await spawner._apply_course_options(spawner, {"profile": "cpu-1h", "walltime": "30"})
+        spawner.node_address = "127.0.0.1"
+        return await start_and_drive(spawner, fake, steps)
+
+    with sock:
+        assert run(go()) == ("127.0.0.1", port)
+    script = next(iter(fake.read()["jobs"].values()))["script"]
+    assert "#SBATCH --reservation=class" in script and "#SBATCH --time=0:30:00" in script
+    assert "#SBATCH --partition=cpu" in script
+    assert "exec " in script and "batchspawner-singleuser /venv/bin/jupyterhub-singleuser" in script
+    assert "#SBATCH --output=" + str(spawner.log_dir()) in script
+    assert spawner.log_dir().is_dir(), "the log folder exists before the job starts"
+    assert all("-t" in c and "all" in c for c in fake.calls("squeue"))
+
+
+def test_options_out_of_bounds_are_a_400_before_anything_is_submitted(spawner, fake):
+    with pytest.raises(web.HTTPError) as e:
+        run(spawner._apply_course_options(spawner, {"profile": "cpu-1h", "reservation": "vip"}))
+    assert e.value.status_code == 400 and "cannot be set" in e.value.log_message
+    with pytest.raises(web.HTTPError):
+        run(spawner._apply_course_options(spawner, {"profile": "cpu-1h", "walltime": "9:00:00"}))
+    assert fake.calls("sbatch") == []
+
+
+def test_profiles_on_missing_partitions_are_shown_disabled_and_refused(spawner, fake):
+    fake.update(partitions=["cpu"])
+    form = run(spawner._render_form(spawner))
+    assert 'value="gpu-1h" disabled' in form
+    with pytest.raises(web.HTTPError, match="not available"):
+        run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
+
+
+def test_a_job_that_dies_before_reporting_its_port_fails_fast_with_its_log(spawner, fake):
+    async def steps(jid):
+        fake.set_job(jid, state="RUNNING")
+        await asyncio.sleep(0.2)
+        log = spawner.log_dir() / f"jupyter-{jid}.log"
+        log.write_text("line 1\nModuleNotFoundError: No module named 'jupyterhub'\n")
+        fake.set_job(jid, state="FAILED")
+
+    async def go():
+        loop_t0 = asyncio.get_running_loop().time()
+        with pytest.raises(SpawnFailed) as e:
+            await start_and_drive(spawner, fake, steps)
+        return e.value, asyncio.get_running_loop().time() - loop_t0
+
+    err, took = run(go())
+    assert took < 3, "no waiting for start_timeout"
+    assert "ended (FAILED) before its server reported a port" in str(err)
+    assert "No module named 'jupyterhub'" in err.jupyterhub_message
+    assert spawner.job_id == ""
+
+
+def test_a_job_that_fails_while_pending_fails_the_spawn(spawner, fake):
+    async def steps(jid):
+        fake.set_job(jid, state="PURGED")
+
+    with pytest.raises(SpawnFailed, match="before it started running"):
+        run(start_and_drive(spawner, fake, steps))
+
+
+def test_sbatch_refusal_is_shown(spawner, fake):
+    fake.update(sbatch_error="sbatch: error: Invalid account or account/partition combination specified")
+    with pytest.raises(SpawnFailed, match="Invalid account"):
+        run(spawner.start())
+
+
+def test_squeue_errors_keep_the_server_and_a_vanished_job_stops_it(spawner, fake):
+    async def go():
+        await spawner.submit_batch_script()
+        jid = spawner.job_id
+        fake.set_job(jid, state="RUNNING")
+        assert await spawner.poll() is None
+        fake.update(squeue_error="slurm_load_jobs error: Unexpected message received")
+        assert await spawner.poll() is None, "an unknown squeue error must not drop the server"
+        assert spawner.job_id == jid
+        fake.update(squeue_error="")
+        fake.set_job(jid, state="CANCELLED")  # scancel from outside
+        assert await spawner.poll() == 1
+        assert spawner.job_id == ""
+
+    run(go())
+
+
+def test_stop_cancels_the_job(spawner, fake):
+    async def go():
+        await spawner.submit_batch_script()
+        fake.set_job(spawner.job_id, state="RUNNING")
+        jid = spawner.job_id
+        await spawner.stop()
+        return jid
+
+    jid = run(go())
+    assert fake.calls("scancel") == [["scancel", jid]]
+    assert fake.read()["jobs"][jid]["state"] == "CANCELLED"
+
+
+def test_cancelling_a_pending_spawn_leaves_the_job_for_stop_to_cancel(spawner, fake):
+    async def go():
+        task = asyncio.ensure_future(spawner.start())
+        await asyncio.sleep(0.5)
+        assert spawner.job_id and spawner.state_ispending()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await spawner.stop()
+
+    run(go())
+    assert [j["state"] for j in fake.read()["jobs"].values()] == ["CANCELLED"]
+
+
+def test_progress_says_the_job_waits_in_the_queue_and_why(spawner, fake):
+    async def go():
+        await spawner.submit_batch_script()
+        await spawner.query_job_status()
+        events = []
+        async for ev in spawner.progress():
+            events.append(ev)
+            if len(events) == 1:
+                fake.set_job(spawner.job_id, state="RUNNING")
+                await spawner.query_job_status()
+            else:
+                break
+        return events
+
+    events = run(go())
+    assert "waiting in the queue (reason: Resources)" in events[0]["message"]
+    assert "running on node1" in events[1]["message"]
+
+
+def test_queue_polling_backs_off(spawner, fake):
+    async def go():
+        task = asyncio.ensure_future(spawner.start())
+        await asyncio.sleep(2.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+    n = len(fake.calls("squeue"))
+    # 0.05 s growing x1.5 up to 0.2 s: ~13 calls in 2 s; a fixed 0.05 s would make ~40
+    assert 5 <= n <= 20, n
+
+
+def test_no_shell_is_ever_used(spawner):
+    spawner.batch_cancel_cmd = "touch /tmp/pwned; scancel {job_id}"
+    with pytest.raises(RuntimeError, match="no shell"):
+        run(spawner.run_command("true"))
+
+
+def test_slurm_commands_get_only_what_they_need(spawner, fake):
+    env = spawner.slurm_env()
+    assert set(env) == {"PATH", "LANG", "SLURM_CONF"} and env["SLURM_CONF"] == str(fake.state)
+    server_env = spawner.get_env()
+    assert server_env["SLURM_CONF"] == str(fake.state), "srun/sbatch work from the notebook"
+    assert server_env["HOME"].endswith("/homes/alice")
