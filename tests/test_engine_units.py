@@ -1,0 +1,172 @@
+"""Pure parts of the engine: rank discovery, batch scripts as text, summaries, checkpoints, the CLI surface."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scalelab.ckpt import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from scalelab.dist import rank_info
+from scalelab.launch.slurm import batch_script
+from scalelab.metrics import scaling_efficiency, summarize
+from scalelab.spec import preset
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1, 0, "none")),
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, (3, 4, 1, "torch")),
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1"}, (1, 2, 1, "horovod")),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, (5, 8, 1, "mpi")),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2(x2)"},
+     (2, 4, 0, "slurm")),
+    # torchrun inside an sbatch job: torchrun's variables win over the job's
+    ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (1, 2, 0, "torch")),
+])
+def test_rank_info_reads_each_launchers_variables(env, expected):
+    info = rank_info(env)
+    assert (info.rank, info.world_size, info.local_rank, info.source) == expected
+
+
+def test_batch_script_carries_resources_and_only_the_options_that_are_set(tmp_path):
+    spec = preset("tiny").with_overrides({"world.workers_per_node": 4, "world.nodes": 2, "launcher": "slurm",
+                                          "slurm.partition": "gpu", "slurm.reservation": "class",
+                                          "slurm.gpus_per_node": 4, "slurm.time": "00:30:00"})
+    text = batch_script(spec, tmp_path, "/opt/py/bin/python")
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --partition=gpu",
+                 "#SBATCH --reservation=class", "#SBATCH --gres=gpu:4", "#SBATCH --time=00:30:00"):
+        assert line in lines
+    assert not any(l.startswith(("#SBATCH --account", "#SBATCH --mem")) for l in lines)
+    assert lines[-1].startswith("srun --kill-on-bad-exit=1")
+    assert f"/opt/py/bin/python -m scalelab.worker --spec {tmp_path}/spec.json" in lines[-1]
+
+
+def test_batch_script_for_horovod_starts_ranks_with_mpirun(tmp_path):
+    spec = preset("tiny").with_overrides({"strategy": "horovod", "launcher": "slurm", "world.workers_per_node": 2})
+    last = batch_script(spec, tmp_path).splitlines()[-1]
+    assert last.startswith("mpirun -np 2") and "srun" not in last
+
+
+def test_batch_script_quotes_paths_with_spaces(tmp_path):
+    run_dir = tmp_path / "my runs"
+    text = batch_script(preset("tiny").replace(launcher="slurm"), run_dir, "/usr/bin/python3")
+    assert f"'{run_dir}/spec.json'" in text
+
+
+def _step(rank, step, samples=16, step_s=0.01, loss=1.0):
+    return {"type": "step", "rank": rank, "step": step, "samples": samples, "step_s": step_s, "data_s": 0.001,
+            "compute_s": 0.008, "comm_s": 0.002, "loss": loss, "t": step}
+
+
+def test_summary_skips_warmup_steps_and_adds_rank_throughputs():
+    events = [_step(0, 1, step_s=1.0), *[_step(0, s) for s in range(2, 11)],
+              _step(1, 1, step_s=1.0), *[_step(1, s, step_s=0.02) for s in range(2, 11)],
+              {"type": "end", "rank": 0, "final_loss": 0.5, "eval_accuracy": 0.9, "t": 11}]
+    s = summarize(events, 2)
+    assert s["per_rank_samples_per_s"] == pytest.approx([1600.0, 800.0])  # the slow first step is left out
+    assert s["samples_per_s"] == pytest.approx(2400.0)
+    assert s["final_loss"] == 0.5 and s["steps"] == 10 and s["eval_accuracy"] == 0.9
+    # 18 measured steps with 1 ms of data wait each, over 9 x 10 ms + 9 x 20 ms of step time
+    assert s["time_fraction"]["data"] == pytest.approx(18 * 0.001 / (9 * 0.01 + 9 * 0.02))
+
+
+def test_scaling_efficiency():
+    assert scaling_efficiency(180.0, 100.0, 2) == pytest.approx(0.9)
+    assert scaling_efficiency(1.0, 0.0, 2) == 0.0
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def test_checkpoints_round_trip_and_keep_the_last_k(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    for step in (5, 10, 15):
+        save_checkpoint(tmp_path, step, model, opt, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-00000010.pt", "step-00000015.pt"]
+    fresh = torch.nn.Linear(4, 2)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    assert load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_opt) == 15
+    torch.testing.assert_close(fresh.weight, model.weight)
+    assert fresh_opt.state_dict()["state"][0]["momentum_buffer"] is not None
+
+
+def test_a_corrupted_checkpoint_is_refused_naming_the_file(tmp_path):
+    model = _model()
+    path = save_checkpoint(tmp_path, 1, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path.name} is corrupted"):
+        load_checkpoint(path, _model())
+
+
+def test_a_file_not_in_the_manifest_is_never_loaded(tmp_path):
+    model = _model()
+    save_checkpoint(tmp_path, 1, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    partial = tmp_path / "step-00000002.pt"
+    partial.write_bytes(b"half a checkpoint")
+    assert latest_checkpoint(tmp_path).name == "step-00000001.pt"
+    with pytest.raises(CheckpointError, match="may be partial"):
+        load_checkpoint(partial, _model())
+
+
+def _cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "scalelab.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_run_json_prints_the_summary(tmp_path):
+    r = _cli("run", "--preset", "tiny", "--workers", "2", "--strategy", "ddp", "--json", "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert {"status", "world_size", "samples_per_s", "steps", "final_loss"} <= summary.keys()
+    assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["steps"] == 20
+    assert summary["samples_per_s"] > 0
+
+
+def test_cli_run_shows_progress_and_a_summary_table(tmp_path):
+    r = _cli("run", "--preset", "tiny", "--workers", "1", "--set", "steps=5", "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    assert "5/5" in r.stderr  # the progress bar reached the end
+    assert "samples/s (all ranks)" in r.stdout and "succeeded" in r.stdout
+
+
+def test_cli_failed_run_exits_non_zero_with_the_rank(tmp_path):
+    r = _cli("run", "--workers", "2", "--set", "fault.kind=raise", "--set", "fault.rank=1", "--json",
+             "--out", str(tmp_path / "r"))
+    assert r.returncode == 1
+    summary = json.loads(r.stdout)
+    assert summary["status"] == "failed" and summary["failed_rank"] == 1
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "optim.lr=fast"], "optim.lr: got 'fast' (str); expected a number"),
+    (["--set", "world.workers_per_node=0"], "world.workers_per_node: got 0; must be at least 1"),
+    (["--set", "optim.learning_rate=1"], "optim.learning_rate: unknown field"),
+    (["--set", "steps"], "expected key=value"),
+    (["--strategy", "horovod", "--launcher", "local"], "launcher: got 'local' with strategy 'horovod'"),
+])
+def test_cli_set_errors_name_the_field(args, words):
+    r = _cli("run", *args)
+    assert r.returncode == 1
+    assert words in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_surface_is_frozen():
+    """The documented commands and flags stay put (a change here is a change for every course handout)."""
+    from scalelab.cli import build_parser
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"run", "doctor", "cluster"} <= set(commands)
+    flags = {opt for a in commands["run"]._actions for opt in a.option_strings}
+    assert {"--preset", "--workers", "--nodes", "--strategy", "--launcher", "--set", "--json", "--spec"} <= flags
