@@ -1,0 +1,180 @@
+"""Checks: small functions that judge the values a lab notebook recorded.
+
+A lab folder holds `checks.py` (public: students run them through SelfCheck) and `hidden_checks.py` (kept out
+of the student copy). Each defines checks with the `@check` decorator:
+
+    from scalelab.grade.checks import check, partial
+
+    @check(points=2)
+    def speedup_is_real(r):
+        '''Two workers must beat one on throughput.'''
+        assert r["speedup"] > 1.2, f"speedup {r['speedup']:.2f} is below 1.2: did both ranks train?"
+
+    @check(points=3)
+    def efficiency(r):
+        '''Weak-scaling efficiency close to ideal.'''
+        return partial(min(1.0, r["efficiency"] / 0.9), f"efficiency {r['efficiency']:.2f} (target 0.9)")
+
+`r` is a read-only mapping of the notebook's records; reading a name that was never recorded ends the check
+as `missing` (no points) with the record's name. A check passes by returning None (full points), fails by
+raising AssertionError (its message is shown to the student), and may return `partial(fraction, message)`.
+Any other exception is an `error` outcome: a bug in the check or an unexpected value, reported as such.
+Checks run in the grader's process on plain JSON values; they never see the student's objects.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+OUTCOMES = ("pass", "partial", "fail", "missing", "error")
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Partial credit: `fraction` of the check's points, with a message for the student."""
+
+    fraction: float
+    message: str = ""
+
+
+def partial(fraction: float, message: str = "") -> Partial:
+    """Partial credit in [0, 1] (clipped; NaN counts as 0)."""
+    f = 0.0 if not math.isfinite(fraction) else min(1.0, max(0.0, float(fraction)))
+    return Partial(f, message)
+
+
+@dataclass
+class Check:
+    """One registered check."""
+
+    name: str
+    func: Callable[[Mapping], Any]
+    points: float
+    description: str
+    hidden: bool = False
+
+
+@dataclass
+class CheckResult:
+    """What one check concluded."""
+
+    name: str
+    outcome: str
+    points: float
+    max_points: float
+    message: str = ""
+    hidden: bool = False
+    duration_s: float = 0.0
+    detail: str = ""
+    """Traceback of a check that crashed (for instructors; never shown for hidden checks)."""
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready dict."""
+        return dict(self.__dict__)
+
+
+class MissingRecord(KeyError):
+    """A check asked for a record the notebook never made."""
+
+
+class Records(Mapping):
+    """Read-only view of a notebook's records; a missing name raises MissingRecord."""
+
+    def __init__(self, records: Mapping[str, Any]):
+        self._data = dict(records)
+
+    def __getitem__(self, name):
+        try:
+            return self._data[name]
+        except KeyError:
+            raise MissingRecord(name) from None
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+_REGISTRY: list[Check] | None = None
+
+
+def check(points: float = 1.0, name: str | None = None):
+    """Register the decorated function as a check worth `points`."""
+    if not (isinstance(points, (int, float)) and points > 0):
+        raise ValueError(f"check points must be a number > 0, got {points!r}")
+
+    def wrap(func):
+        c = Check(name or func.__name__, func, float(points), (func.__doc__ or "").strip().splitlines()[0]
+                  if func.__doc__ else func.__name__)
+        if _REGISTRY is not None:
+            _REGISTRY.append(c)
+        func.scalelab_check = c
+        return func
+    return wrap
+
+
+def load_checks(path: str | Path, hidden: bool = False) -> list[Check]:
+    """The checks a checks file defines, in definition order (loaded as a fresh module each time)."""
+    global _REGISTRY
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"scalelab_checks_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    previous, _REGISTRY = _REGISTRY, []
+    try:
+        spec.loader.exec_module(module)
+        found = list(_REGISTRY)
+    finally:
+        _REGISTRY = previous
+    for c in found:
+        c.hidden = hidden
+    return found
+
+
+def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
+    """Run one check against the records and turn what it did into a CheckResult."""
+    start = time.perf_counter()
+    result = CheckResult(c.name, "pass", c.points, c.points, hidden=c.hidden)
+    try:
+        value = c.func(Records(records))
+        if isinstance(value, Partial):
+            result.points = round(c.points * value.fraction, 4)
+            result.outcome = "pass" if value.fraction >= 1.0 else ("partial" if value.fraction > 0 else "fail")
+            result.message = value.message
+    except MissingRecord as e:
+        result.outcome, result.points = "missing", 0.0
+        result.message = f"the notebook did not record {e.args[0]!r}: run the cell that records it"
+    except AssertionError as e:
+        result.outcome, result.points = "fail", 0.0
+        result.message = str(e) or f"{c.description}: not met"
+    except Exception as e:  # noqa: BLE001 - a check that crashes must not crash the grader
+        result.outcome, result.points = "error", 0.0
+        result.message = f"check raised {type(e).__name__}: {e}"
+        result.detail = traceback.format_exc(limit=3)
+    result.duration_s = time.perf_counter() - start
+    return result
+
+
+def run_checks(checks: list[Check], records: Mapping[str, Any]) -> list[CheckResult]:
+    """Run every check; one failing or crashing check never stops the others."""
+    return [run_check(c, records) for c in checks]
+
+
+def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
+    """A lab's public checks (checks.py) and, unless excluded, its hidden ones (hidden_checks.py)."""
+    lab_dir = Path(lab_dir)
+    checks = load_checks(lab_dir / "checks.py") if (lab_dir / "checks.py").exists() else []
+    hidden = lab_dir / "hidden_checks.py"
+    if include_hidden and hidden.exists():
+        checks += load_checks(hidden, hidden=True)
+    return checks
+
+
+__all__ = ["check", "partial", "Partial", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
+           "load_checks", "run_check", "run_checks", "lab_checks"]
