@@ -104,6 +104,8 @@ def test_update_local_spawner(cfg):
     hubconf.update_local_spawner(c, cfg)
     assert c.JupyterHub.spawner_class == hubconf.LOCAL_SPAWNER
     assert c.CourseLocalSpawner.ip == "127.0.0.1"
+    assert c.CourseLocalSpawner.cmd[1:4] == ["-m", "scalelab.hub.singleuser", "--no-report"]
+    assert c.CourseLocalSpawner.cmd[-1].endswith("/jupyterhub-singleuser")
 
 
 def test_update_slurm_spawner_profiles_carry_course_account_and_reservation(cfg):
@@ -116,7 +118,7 @@ def test_update_slurm_spawner_profiles_carry_course_account_and_reservation(cfg)
     assert s.slurm_conf == "/etc/s.conf" and s.slurm_bin_dir == "/usr/bin"
     assert s.exec_prefix == "", "hub-account: Slurm commands run as the hub's account"
     assert s.poll_min == 0.5 and s.poll_max == 5.0
-    assert s.singleuser_wrapper.endswith("/batchspawner-singleuser") and os.path.isabs(s.singleuser_wrapper)
+    assert s.singleuser_wrapper[1:] == ["-m", "scalelab.hub.singleuser"] and os.path.isabs(s.singleuser_wrapper[0])
 
 
 def test_exec_prefix_sudo_for_student_accounts(cfg):

@@ -157,7 +157,7 @@ def test_spawn_submits_the_bounded_script_and_returns_the_node(spawner, fake):
     script = next(iter(fake.read()["jobs"].values()))["script"]
     assert "#SBATCH --reservation=class" in script and "#SBATCH --time=0:30:00" in script
     assert "#SBATCH --partition=cpu" in script
-    assert "exec " in script and "batchspawner-singleuser /venv/bin/jupyterhub-singleuser" in script
+    assert "exec " in script and "-m scalelab.hub.singleuser /venv/bin/jupyterhub-singleuser" in script
     assert "#SBATCH --output=" + str(spawner.log_dir()) in script
     assert spawner.log_dir().is_dir(), "the log folder exists before the job starts"
     assert all("-t" in c and "all" in c for c in fake.calls("squeue"))
@@ -248,7 +248,10 @@ def test_stop_cancels_the_job(spawner, fake):
 def test_cancelling_a_pending_spawn_leaves_the_job_for_stop_to_cancel(spawner, fake):
     async def go():
         task = asyncio.ensure_future(spawner.start())
-        await asyncio.sleep(0.5)
+        for _ in range(100):  # the fake sbatch is a Python program: give a busy machine time
+            if spawner.job_id and spawner.state_ispending():
+                break
+            await asyncio.sleep(0.05)
         assert spawner.job_id and spawner.state_ispending()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

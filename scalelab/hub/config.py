@@ -109,6 +109,10 @@ def update_local_spawner(c, cfg: Mapping) -> None:
     """local mode: each server a process on this machine, reachable on the loopback only."""
     c.JupyterHub.spawner_class = LOCAL_SPAWNER
     c.CourseLocalSpawner.ip = "127.0.0.1"
+    # through scalelab.hub.singleuser for its faster start (no port to report: the hub chose it)
+    bindir = python_bin(cfg)
+    c.CourseLocalSpawner.cmd = [os.path.join(bindir, "python"), "-m", "scalelab.hub.singleuser", "--no-report",
+                                os.path.join(bindir, "jupyterhub-singleuser")]
 
 
 def exec_prefix(cfg: Mapping) -> str:
@@ -134,7 +138,7 @@ def update_slurm_spawner(c, cfg: Mapping) -> None:
     s.node_address = slurm["node_address"]
     s.poll_min = float(slurm["poll_min"])
     s.poll_max = float(slurm["poll_max"])
-    s.singleuser_wrapper = os.path.join(python_bin(cfg), "batchspawner-singleuser")
+    s.singleuser_wrapper = [os.path.join(python_bin(cfg), "python"), "-m", "scalelab.hub.singleuser"]
 
 
 def update_labs(c, cfg: Mapping) -> None:

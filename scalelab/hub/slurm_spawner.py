@@ -64,7 +64,8 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
     poll_min = Float(0.5, help="First interval between squeue calls while starting (s).").tag(config=True)
     poll_max = Float(5.0, help="Longest interval between squeue calls while starting (s).").tag(config=True)
     batch_template = Unicode(help="Path of the batch script template (jinja2).").tag(config=True)
-    singleuser_wrapper = Unicode(help="Absolute path of batchspawner-singleuser (reports the port).").tag(config=True)
+    singleuser_wrapper = List(Unicode(), help="Command that reports the port, then runs the server "
+                              "(scalelab.hub.singleuser).").tag(config=True)
     log_tail_lines = 25
 
     _partitions_cache: tuple[float, set[str] | None] = (0.0, None)
@@ -79,7 +80,7 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
 
     @default("singleuser_wrapper")
     def _wrapper_default(self):
-        return os.path.join(self.python_bin, "batchspawner-singleuser")
+        return [os.path.join(self.python_bin, "python"), "-m", "scalelab.hub.singleuser"]
 
     @default("options_form")
     def _options_form_default(self):
@@ -192,7 +193,7 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         """The batch script for `request` (a resolved scalelab.hub.options.JobRequest)."""
         env = self.get_env()
         name = f"jupyter-{self.user.name}" + (f"-{self.name}" if self.name else "")
-        cmd = [self.singleuser_wrapper, *self.cmd, *self.get_args()]
+        cmd = [*self.singleuser_wrapper, *self.cmd, *self.get_args()]
         return render_batch_script(
             request, username=self.user.name, job_name=name,
             log_path=str(self.log_dir() / f"{self._job_stem()}-%j.log"), workdir=str(self.course_home()),

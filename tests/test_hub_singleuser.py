@@ -1,0 +1,94 @@
+"""The job-side wrapper: reports exactly {"port": N} with the server's token, then runs the server command."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from scalelab.hub import singleuser
+
+
+class _Hub(BaseHTTPRequestHandler):
+    seen: list = []
+    status = 201
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Hub.seen.append((self.path, self.headers["Authorization"], json.loads(body)))
+        self.send_response(_Hub.status)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub():
+    _Hub.seen, _Hub.status = [], 201
+    server = HTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/hub/api", _Hub
+    server.shutdown()
+
+
+def test_reports_only_the_port_with_the_servers_token(fake_hub):
+    url, hub = fake_hub
+    singleuser.report_port(url, "tok", 4321)
+    assert hub.seen == [("/hub/api/batchspawner", "token tok", {"port": 4321})]
+
+
+def test_a_refusal_ends_the_job_with_the_reason(fake_hub):
+    url, hub = fake_hub
+    hub.status = 400
+    with pytest.raises(SystemExit, match="refused port 4321: 400"):
+        singleuser.report_port(url, "tok", 4321)
+
+
+def test_runs_the_server_with_the_reported_port(fake_hub, tmp_path, monkeypatch):
+    url, hub = fake_hub
+    server = tmp_path / "fake-singleuser"
+    server.write_text("import os, sys, json\n"
+                      "json.dump({'argv': sys.argv, 'url': os.environ['JUPYTERHUB_SERVICE_URL'],"
+                      " 'rfc': 'rfc3987_syntax' in sys.modules and sys.modules['rfc3987_syntax'] is None},"
+                      " open(os.environ['OUT'], 'w'))\n")
+    out = tmp_path / "out.json"
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setenv("JUPYTERHUB_API_URL", url)
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "tok")
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_URL", "http://0.0.0.0:0/user/a/")
+    monkeypatch.setattr("sys.argv", ["x"])
+    before = sys.modules.pop("rfc3987_syntax", "absent")
+    try:
+        singleuser.main([str(server), "--allow-root"])
+    finally:
+        sys.modules.pop("rfc3987_syntax", None)
+        if before != "absent":
+            sys.modules["rfc3987_syntax"] = before
+    got = json.loads(out.read_text())
+    port = hub.seen[0][2]["port"]
+    assert got["argv"] == [str(server), "--allow-root"]
+    assert got["url"] == f"http://0.0.0.0:{port}/user/a/"
+    assert got["rfc"] is True, "the slow optional import is switched off in the server process"
+
+
+def test_no_report_mode_leaves_the_port_to_the_hub(tmp_path, monkeypatch):
+    server = tmp_path / "s"
+    server.write_text("import os\nopen(os.environ['OUT'], 'w').write(os.environ['JUPYTERHUB_SERVICE_URL'])\n")
+    monkeypatch.setenv("OUT", str(tmp_path / "o"))
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:5555/user/a/")
+    monkeypatch.setattr("sys.argv", ["x"])
+    singleuser.main(["--no-report", str(server)])
+    assert (tmp_path / "o").read_text() == "http://127.0.0.1:5555/user/a/"
+
+
+def test_the_port_handler_replaces_batchspawners():
+    from jupyterhub import apihandlers
+
+    import scalelab.hub.slurm_spawner  # noqa: F401  (imports batchspawner, which adds its own handler)
+    from scalelab.hub.api import ROUTE, PortReportHandler
+
+    routes = [h for h in apihandlers.default_handlers if h[0] == ROUTE]
+    assert routes == [(ROUTE, PortReportHandler)]
