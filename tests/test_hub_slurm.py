@@ -5,38 +5,22 @@ shared cluster keep the other cores), and a partition that is DOWN makes jobs wa
 """
 from __future__ import annotations
 
-import secrets
 import subprocess
 import time
 
 import pytest
 
-from scalelab.hub.testing import HubRunner
+from scalelab.hub.testing import HubRunner, class_reservation_and_queue, slurm_settings
 
 pytestmark = [pytest.mark.slurm, pytest.mark.hub, pytest.mark.slow]
 
 LAB = '{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}'
 
 
-def scontrol(cluster, *args, check=True):
-    return cluster.run("scontrol", *args, check=check)
-
-
 @pytest.fixture(scope="module")
 def slurm_extras(slurm_cluster):
-    """A one-core class reservation and a DOWN partition, removed afterwards."""
-    tag = secrets.token_hex(3)
-    resv, down = f"hubtest-{tag}", f"hubdown-{tag}"
-    node = slurm_cluster.status()["nodes"][0]["name"]
-    scontrol(slurm_cluster, "create", "reservation", f"ReservationName={resv}", "Users=root", "StartTime=now",
-             "Duration=120", f"Nodes={node}", "CoreCnt=1")
-    scontrol(slurm_cluster, "create", f"PartitionName={down}", f"Nodes={node}", "State=DOWN")
-    yield resv, down
-    for _ in range(30):  # a reservation in use cannot be deleted: wait for the last job to leave
-        if scontrol(slurm_cluster, "delete", f"ReservationName={resv}", check=False).returncode == 0:
-            break
-        time.sleep(1)
-    scontrol(slurm_cluster, "delete", f"PartitionName={down}", check=False)
+    with class_reservation_and_queue(slurm_cluster) as names:
+        yield names
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +36,7 @@ def hub(tmp_path_factory, slurm_cluster, slurm_extras):
         {"name": "broken", "display_name": "Broken prologue", "partition": "cpu", "walltime": "0:10:00",
          "prologue": "echo boom-before-port >&2\nexit 3"},
     ]
-    runner = HubRunner(work, mode="slurm", settings={
-        "servers": {"poll_interval": 3, "start_timeout": 120},
-        "slurm": {"conf": slurm_cluster.env()["SLURM_CONF"], "server_ip": "127.0.0.1",
-                  "node_address": "127.0.0.1", "reservation": resv, "profiles": profiles,
-                  "default_profile": "cpu-2h"},
-    })
+    runner = HubRunner(work, mode="slurm", settings=slurm_settings(slurm_cluster, resv, profiles))
     runner.start()
     yield runner
     runner.cleanup()

@@ -10,6 +10,7 @@ Teardown leaves nothing behind: the hub is stopped, then every process whose env
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -284,3 +285,33 @@ class HubRunner:
 
     def __exit__(self, *exc) -> None:
         self.cleanup()
+
+
+@contextlib.contextmanager
+def class_reservation_and_queue(cluster) -> Iterator[tuple[str, str]]:
+    """(reservation, partition) on a LocalCluster: a one-core class reservation for root (other jobs keep the
+    other cores) and a DOWN partition where jobs wait in the queue on purpose; both removed afterwards."""
+    tag = secrets.token_hex(3)
+    resv, down = f"hubtest-{tag}", f"hubdown-{tag}"
+    node = cluster.status()["nodes"][0]["name"]
+    cluster.run("scontrol", "create", "reservation", f"ReservationName={resv}", "Users=root", "StartTime=now",
+                "Duration=120", f"Nodes={node}", "CoreCnt=1")
+    try:
+        cluster.run("scontrol", "create", f"PartitionName={down}", f"Nodes={node}", "State=DOWN")
+        yield resv, down
+    finally:
+        for _ in range(30):  # a reservation in use cannot be deleted: wait for its last job to leave
+            if cluster.run("scontrol", "delete", f"ReservationName={resv}", check=False).returncode == 0:
+                break
+            time.sleep(1)
+        cluster.run("scontrol", "delete", f"PartitionName={down}", check=False)
+
+
+def slurm_settings(cluster, reservation: str = "", profiles: list | None = None, **slurm) -> dict:
+    """Hub settings for slurm mode on a LocalCluster: its SLURM_CONF, loopback addresses, gentle timeouts."""
+    out = {"conf": cluster.env()["SLURM_CONF"], "server_ip": "127.0.0.1", "node_address": "127.0.0.1",
+           "reservation": reservation, **slurm}
+    if profiles is not None:
+        out["profiles"] = profiles
+        out.setdefault("default_profile", profiles[0]["name"])
+    return {"servers": {"poll_interval": 3, "start_timeout": 120}, "slurm": out}
