@@ -169,6 +169,8 @@ class HubRunner:
                 raise HubError(f"the hub exited with {self.proc.returncode} while starting\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/hub/api/", timeout=2).status_code == 200:
+                    if not self.settings["auth"].get("password"):  # generated at the first start
+                        self.password = (self.workdir / "state" / "password").read_text().strip()
                     return self
             except requests.RequestException:
                 pass
