@@ -1,0 +1,75 @@
+"""The student's path in a real headless Chromium: log in, the server starts, JupyterLab shows the labs and the
+course kernel, a lab notebook opens on that kernel and a cell runs.
+
+Playwright drives Debian's /usr/bin/chromium (Playwright's own browser download does not work here).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scalelab.hub.testing import HubRunner
+
+pytestmark = [pytest.mark.browser, pytest.mark.hub, pytest.mark.slow]
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+CELL = 'import os\nprint("gloo-iface=" + os.environ.get("GLOO_SOCKET_IFNAME", "none"), 6 * 7)'
+NOTEBOOK = {
+    "cells": [{"cell_type": "markdown", "id": "intro", "metadata": {}, "source": "# Lab 1"},
+              {"cell_type": "code", "id": "run-me", "metadata": {}, "execution_count": None, "outputs": [],
+               "source": CELL}],
+    "metadata": {"kernelspec": {"name": "scalelab", "display_name": "Python 3 (scalelab course)",
+                                "language": "python"}},
+    "nbformat": 4, "nbformat_minor": 5}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hub-browser")
+    (work / "labs" / "01_intro").mkdir(parents=True)
+    (work / "labs" / "01_intro" / "lab.ipynb").write_text(json.dumps(NOTEBOOK))
+    runner = HubRunner(work, mode="local", settings={"kernels": {"install": True}})
+    runner.start()
+    yield runner
+    runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def test_log_in_start_lab_open_a_lab_and_run_a_cell(hub, browser):
+    user = hub.user("stud")
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(f"{hub.url}/hub/login")
+        page.fill("input[name=username]", user)
+        page.fill("input[name=password]", hub.password)
+        page.click("#login_submit")
+        # local mode has no spawn form: the server starts, and the hub sends the browser to JupyterLab
+        page.wait_for_url(f"**/user/{user}/lab**", timeout=90_000)
+        page.wait_for_selector(".jp-Launcher", timeout=90_000)
+        assert page.locator(".jp-LauncherCard", has_text="Python 3 (scalelab course)").count() >= 1
+        assert page.locator(".jp-DirListing-item", has_text="labs").count() == 1
+        page.goto(f"{hub.url}/user/{user}/lab/tree/labs/01_intro/lab.ipynb")
+        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-Toolbar-kernelName:has-text('Python 3 (scalelab course)')")
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        page.locator(".jp-CodeCell").first.click()
+        page.keyboard.press("Shift+Enter")
+        output = page.wait_for_selector(".jp-OutputArea-output:has-text('gloo-iface=')", timeout=60_000)
+        assert "gloo-iface=lo 42" in output.inner_text()
+    except Exception:
+        page.screenshot(path=str(hub.workdir / "failure.png"))
+        raise
+    finally:
+        page.close()
