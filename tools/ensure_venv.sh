@@ -55,13 +55,16 @@ else
   key=$(stamp_key)
 fi
 
-echo "ensure_venv: pip install -c $CONSTRAINTS -e '.[$EXTRAS]' into $VENV (a few minutes on a fresh venv) ..."
-"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]" \
-  || die "pip install failed (output above); after fixing, re-run: bash tools/ensure_venv.sh"
-# Fail here, not in the first test, if the constraints did not hold (e.g. a CUDA torch where the CPU one was pinned).
+rm -f "$VENV"/.scalelab-setup-*  # before pip: a failed install must not leave an older stamp claiming the venv is fine
+# pip's output (setuptools prints pages of deprecation banners) goes to a log, shown only when pip fails.
+log="$VENV/.scalelab-pip.log"
+echo "ensure_venv: pip install -c $CONSTRAINTS -e '.[$EXTRAS]' into $VENV (a few minutes on a fresh venv; log: $log)"
+"$VENV/bin/python" -m pip install -c "$CONSTRAINTS" -e ".[$EXTRAS]" > "$log" 2>&1 \
+  || { tail -40 "$log" >&2; die "pip install failed (the end of $log is above); after fixing, re-run: bash tools/ensure_venv.sh"; }
+# Fail here, not in the first test, if the install left torch or scalelab unimportable; torch's version in the
+# output shows at once a build other than the one pinned (a CUDA wheel where the CPU one was meant).
 "$VENV/bin/python" -c 'import torch, scalelab; print("ensure_venv: torch", torch.__version__, "| scalelab", scalelab.__version__)' \
   || die "the venv was installed but 'import torch, scalelab' fails in $VENV"
-rm -f "$VENV"/.scalelab-setup-*
 printf 'pyproject+constraints+extras+python hash %s\nconstraints %s\nextras %s\n' "$key" "$CONSTRAINTS" "$EXTRAS" \
   > "$VENV/.scalelab-setup-$key"
 echo "ensure_venv: ready ($VENV, stamp $key)"
