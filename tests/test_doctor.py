@@ -83,8 +83,9 @@ def test_missing_mpirun_is_reported_with_the_command_that_installs_it(baseline, 
     c = checks["mpirun"]
     assert not c.ok and "not found" in c.detail
     assert c.fix == "apt-get install -y openmpi-bin libopenmpi-dev"
-    # Hiding mpirun changes that one check and no other.
-    assert {n for n in checks if checks[n].ok != baseline[n].ok} == {"mpirun"}
+    # Hiding mpirun changes that one check and no other required one (optional ones, like whether the shared
+    # local cluster is up, may change under us).
+    assert {n for n in checks if checks[n].required and checks[n].ok != baseline[n].ok} == {"mpirun"}
     assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  mpirun" in out and "fix: apt-get install -y openmpi-bin libopenmpi-dev" in out
