@@ -46,8 +46,8 @@ CHECKS = {
     "browser": lambda: require(Path("/usr/bin/chromium").exists(), "Chromium (/usr/bin/chromium)",
                                "run `apt-get install chromium chromium-driver`"),
     "hub": lambda: require(shutil.which("configurable-http-proxy") is not None
-                           or (ROOT / "node_modules/.bin/configurable-http-proxy").exists(),
-                           "configurable-http-proxy", "run `make hub` once (npm install configurable-http-proxy)"),
+                           or (Path(sys.prefix) / "bin" / "configurable-http-proxy").exists(),
+                           "configurable-http-proxy", "run `bash tools/ensure_chp.sh` (or `make test`)"),
 }
 
 
