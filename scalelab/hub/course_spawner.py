@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pwd
+import shlex
 import sys
 from pathlib import Path
 
@@ -107,11 +108,18 @@ class CourseSpawner(LoggingConfigurable):
             await self._run_as_student(self.provision_argv(), "handing out labs")
 
     async def _run_as_student(self, argv: list[str], what: str) -> None:
-        """Run `argv` as the student's account: the hub never writes into a student's home as root."""
+        """Run `argv` as the student's account: the hub never writes into a student's home as root.
+
+        A root hub switches user itself; another hub account goes through its `exec_prefix` (sudo)."""
         from jupyterhub.spawner import set_user_setuid
 
+        preexec = None
+        if os.geteuid() == 0:
+            preexec = set_user_setuid(self.user.name, chdir=False)
+        elif getattr(self, "exec_prefix", ""):
+            argv = [*shlex.split(self.exec_prefix.format(username=self.user.name)), *argv]
         proc = await asyncio.create_subprocess_exec(
-            *argv, preexec_fn=set_user_setuid(self.user.name, chdir=False),
+            *argv, preexec_fn=preexec,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"})
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
         if proc.returncode:
