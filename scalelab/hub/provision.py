@@ -54,9 +54,10 @@ def repo_root() -> Path:
 
 
 def source_candidates(root: Path | None = None) -> list[Path]:
-    """Where `labs.source: auto` looks, in order: released student copies first, then the repository's labs/."""
+    """Where `labs.source: auto` looks, in order: the student copies `scalelab labs release` writes (hidden checks
+    and solutions removed), then the repository's labs/."""
     root = root or repo_root()
-    return [root / "build" / "student" / "labs", root / "labs" / "_release", root / "labs"]
+    return [root / "build" / "student" / "labs", root / "labs"]
 
 
 def resolve_source(source: str, root: Path | None = None) -> Path | None:
