@@ -13,6 +13,9 @@ Outside a kernel (a plain script, a worker) `record` still returns the value, an
 variable SCALELAB_RECORD_FILE names a file it appends one JSON line `{"name":..., "value":...}` to it (it does
 so inside a kernel too). Read such a file back with `read_record_file`.
 
+Every `record` also lands in an in-process registry, `recorded()`, holding the value exactly as the grader will
+read it back (after the JSON round trip): SelfCheck runs a lab's public checks against it in the kernel.
+
 This module imports nothing from IPython/Jupyter at import time (core-library rule).
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ RECORD_FILE_ENV = "SCALELAB_RECORD_FILE"
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 _FLOAT_KEY = "$float"
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_RECORDED: dict[str, Any] = {}
 
 
 class RecordError(ScalelabError, ValueError):
@@ -55,12 +59,23 @@ def record(name: str, value: Any) -> Any:
     _check_name(name)
     encoded = encode_value(name, value)
     payload = {"name": name, "value": encoded}
+    _RECORDED[name] = decode_value(json.loads(json.dumps(encoded)))  # a copy: later edits of `value` don't leak in
     path = os.environ.get(RECORD_FILE_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(payload, allow_nan=False) + "\n")
     _display_in_kernel(payload, name, value)
     return value
+
+
+def recorded() -> dict[str, Any]:
+    """Everything recorded in this process so far, {name: value} as the grader would read it; a later one wins."""
+    return decode_value(json.loads(json.dumps({k: encode_value(k, v) for k, v in _RECORDED.items()})))
+
+
+def clear_recorded() -> None:
+    """Forget this process's records (the notebook's outputs keep theirs)."""
+    _RECORDED.clear()
 
 
 def _check_name(name: Any) -> None:

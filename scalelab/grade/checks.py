@@ -20,6 +20,16 @@ as `missing` (no points) with the record's name. A check passes by returning Non
 raising AssertionError (its message is shown to the student), and may return `partial(fraction, message)`.
 Any other exception is an `error` outcome: a bug in the check or an unexpected value, reported as such.
 Checks run in the grader's process on plain JSON values; they never see the student's objects.
+
+Besides the notebook's own records, the grader adds evidence it derived itself from the run's event files
+(`grader.runs`, see `scalelab.grade.evidence`); `evidence(r, r["run_dir"])` returns what the grader found for
+the run a notebook says it made, so a check can hold a recorded number against it:
+
+    @check(points=2)
+    def loss_is_real(r):
+        '''The recorded loss is the loss of the run the notebook made.'''
+        found = evidence(r, r["run_dir"])
+        assert abs(found["final_loss"] - r["final_loss"]) < 1e-6, "final_loss does not match the run's events"
 """
 from __future__ import annotations
 
@@ -166,6 +176,17 @@ def run_checks(checks: list[Check], records: Mapping[str, Any]) -> list[CheckRes
     return [run_check(c, records) for c in checks]
 
 
+def evidence(r: Mapping, run_dir: str) -> dict:
+    """The grader's summary of the run in `run_dir` (from its event files); fails the check if there is none."""
+    from .evidence import RUNS, WORKDIR, relative_run_dir
+    runs = r[RUNS]  # absent outside the grader and SelfCheck: the check ends as `missing`
+    key = relative_run_dir(str(run_dir), r.get(WORKDIR))
+    if not isinstance(runs, Mapping) or key not in runs:
+        raise AssertionError(f"no event files were found for the run {run_dir!r}: the values checked must come "
+                             "from a run this notebook made")
+    return runs[key]
+
+
 def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
     """A lab's public checks (checks.py) and, unless excluded, its hidden ones (hidden_checks.py)."""
     lab_dir = Path(lab_dir)
@@ -176,5 +197,5 @@ def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
     return checks
 
 
-__all__ = ["check", "partial", "Partial", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
+__all__ = ["check", "partial", "Partial", "evidence", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
            "load_checks", "run_check", "run_checks", "lab_checks"]

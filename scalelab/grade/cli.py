@@ -1,0 +1,113 @@
+"""`scalelab grade` and `scalelab labs release`: thin commands over `grader.grade` and `release.release_labs`.
+
+    scalelab grade labs/01_ddp subs/*.ipynb -j 2 --out build/grades/01_ddp
+    scalelab labs release                      # every lab into build/student/labs/ (the hub hands these out)
+    scalelab labs release 01_ddp --out /srv/course/labs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .lab import GradingError
+
+
+def add_cli(subparsers) -> None:
+    """Add `grade` and `labs` (with `release`) to the `scalelab` command."""
+    g = subparsers.add_parser("grade", help="grade submitted notebooks of a lab (sandboxed, hidden checks)",
+                              description="Execute each submission with papermill in its own confined process and "
+                                          "working copy, run the lab's public and hidden checks on its records, and "
+                                          "write JSON results, HTML feedback and a CSV gradebook.")
+    g.add_argument("lab", help="lab folder (or a lab's name under labs/)")
+    g.add_argument("submissions", nargs="+", metavar="SUBMISSION",
+                   help="<student>.ipynb, <student>/lab.ipynb or <student>/")
+    g.add_argument("-j", "--jobs", type=int, default=1, help="submissions run at the same time (default 1)")
+    g.add_argument("--out", help="report folder (default build/grades/<lab>)")
+    g.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="grading parameter over lab.yaml's (VALUE read as JSON, else as text); repeatable")
+    g.add_argument("--cell-timeout", type=float, metavar="S", help="per-cell limit (default: lab.yaml)")
+    g.add_argument("--total-timeout", type=float, metavar="S", help="whole-notebook limit (default: lab.yaml)")
+    g.add_argument("--memory-mb", type=int, metavar="MIB", help="memory limit (default: lab.yaml, else 4096)")
+    g.add_argument("--allow-network", action="store_true", help="let submissions use the network")
+    g.add_argument("--no-sandbox", action="store_true",
+                   help="run submissions unconfined as your own user (debugging a lab only; noted in every result)")
+    g.add_argument("--hide", action="append", default=[], metavar="PATH",
+                   help="another path submissions must not see (e.g. a copy of hidden checks); repeatable")
+    g.add_argument("--workdir", help="where job folders are made (default: the temporary folder)")
+    g.add_argument("--keep-workdirs", action="store_true", help="keep each job folder (for debugging)")
+    g.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    g.set_defaults(func=grade_command)
+
+    labs = subparsers.add_parser("labs", help="instructor tools for the labs (release)")
+    actions = labs.add_subparsers(dest="labs_command", metavar="ACTION")
+    r = actions.add_parser("release", help="build the student copies: solutions removed, outputs stripped, "
+                                           "hidden checks left out")
+    r.add_argument("labs", nargs="*", metavar="LAB", help="lab names or folders (default: every lab)")
+    r.add_argument("--labs-root", help="where the reference labs are (default: the repository's labs/)")
+    r.add_argument("--out", help="where the student copies go (default: build/student/labs/)")
+    r.set_defaults(func=release_command)
+    labs.set_defaults(func=lambda args: (labs.print_help(), 2)[1])
+
+
+def _parameters(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise GradingError(f"--set {pair!r}: expected NAME=VALUE, e.g. --set steps=5")
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
+    return out
+
+
+def grade_command(args) -> int:
+    """`scalelab grade`: 0 when every submission was graded, 1 when the grader failed on one."""
+    from .grader import GradeOptions, grade
+    from .release import resolve_lab
+    if args.jobs < 1:
+        raise GradingError(f"-j/--jobs must be >= 1, got {args.jobs}")
+    options = GradeOptions(jobs=args.jobs, parameters=_parameters(args.set) or None,
+                           cell_timeout_s=args.cell_timeout, total_timeout_s=args.total_timeout,
+                           memory_mb=args.memory_mb, network=True if args.allow_network else None,
+                           sandbox=not args.no_sandbox, hide=tuple(args.hide), workdir=args.workdir,
+                           keep_workdirs=args.keep_workdirs)
+
+    def progress(r):
+        if not args.json:
+            print(f"  graded {r.student}: {r.score:g}/{r.max_score:g} ({r.status})", file=sys.stderr, flush=True)
+
+    batch = grade(resolve_lab(args.lab), args.submissions, args.out, options, progress)
+    if args.json:
+        from .report import result_to_dict
+        print(json.dumps({"lab": batch.lab, "out": str(batch.out_dir), "gradebook": str(batch.gradebook),
+                          "duration_s": round(batch.duration_s, 2),
+                          "results": [result_to_dict(r) for r in batch.results]}, indent=1, default=str))
+    else:
+        _table(batch)
+    return 1 if any(r.status == "grader_error" for r in batch.results) else 0
+
+
+def _table(batch) -> None:
+    width = max(7, *(len(r.student) for r in batch.results))
+    print(f"{'student':<{width}}  {'score':>9}  {'%':>6}  {'status':<12}  message")
+    for r in batch.results:
+        score = f"{r.score:g}/{r.max_score:g}"
+        print(f"{r.student:<{width}}  {score:>9}  {r.percent:>6.1f}  {r.status:<12}  {r.message[:70]}")
+    sandbox = batch.results[0].sandbox if batch.results else {}
+    for note in sandbox.get("notes", []):
+        print(f"note: {note}")
+    print(f"{len(batch.results)} graded in {batch.duration_s:.1f} s; gradebook {batch.gradebook}, feedback in "
+          f"{batch.out_dir / 'feedback'}")
+
+
+def release_command(args) -> int:
+    """`scalelab labs release`: write the student copies and say what each got."""
+    from .release import DEFAULT_LABS, DEFAULT_OUT, release_labs
+    reports = release_labs(args.labs or None, args.labs_root or DEFAULT_LABS, args.out or DEFAULT_OUT)
+    for rep in reports:
+        left = f"; left out {', '.join(rep.left_out)}" if rep.left_out else ""
+        print(f"{rep.lab}: {rep.exercises} exercise(s), {len(rep.files)} file(s) -> {rep.out}{left}")
+    return 0

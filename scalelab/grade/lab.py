@@ -1,0 +1,175 @@
+"""A lab folder as the grader and the release see it: `lab.yaml` settings, where things are, which files are private.
+
+    labs/NN_topic/
+      lab.ipynb          reference notebook with solutions; first code cell tagged `parameters`
+      checks.py          public checks (students run them with SelfCheck)
+      hidden_checks.py   hidden checks: never copied to students, never shown in feedback
+      lab.yaml           title, minutes, goals, grading: {parameters, cell_timeout_s, total_timeout_s, memory_mb}
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ScalelabError
+
+NOTEBOOK, CHECKS, HIDDEN_CHECKS, SETTINGS = "lab.ipynb", "checks.py", "hidden_checks.py", "lab.yaml"
+PRIVATE = ("hidden_checks.py", "hidden_*", "*_hidden.py", "solutions", "__pycache__", ".ipynb_checkpoints",
+           "*.pyc", ".*")
+"""Names never copied to a student (release) nor into a grading working copy; matched against every path part."""
+
+
+class GradingError(ScalelabError):
+    """A lab, a submission list or a grading option is wrong; the message names it and what to do."""
+
+
+@dataclass
+class GradingSettings:
+    """The `grading:` block of lab.yaml: how a submission of this lab is executed."""
+
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """Injected into the notebook's `parameters` cell (small sizes, so grading is quick)."""
+    cell_timeout_s: float = 120.0
+    """Longest a single cell may run."""
+    total_timeout_s: float = 600.0
+    """Longest the whole notebook may run, kernel start included."""
+    memory_mb: int | None = 4096
+    """Memory limit of a submission's run (None: no limit)."""
+    network: bool = False
+    """Whether a submission may use the network (labs never need it: data is generated or shipped)."""
+
+
+@dataclass
+class Lab:
+    """One lab folder and its settings."""
+
+    path: Path
+    name: str
+    title: str
+    minutes: int | None = None
+    goals: list[str] = field(default_factory=list)
+    grading: GradingSettings = field(default_factory=GradingSettings)
+
+    @property
+    def notebook(self) -> Path:
+        """The reference notebook."""
+        return self.path / NOTEBOOK
+
+    @property
+    def has_hidden_checks(self) -> bool:
+        """Whether the lab has hidden checks."""
+        return (self.path / HIDDEN_CHECKS).exists()
+
+
+def load_lab(lab_dir: str | Path) -> Lab:
+    """Read a lab folder (lab.yaml is optional: defaults apply); GradingError names a bad field."""
+    path = Path(lab_dir).resolve()
+    if path.is_file() and path.name == NOTEBOOK:
+        path = path.parent
+    if not (path / NOTEBOOK).is_file():
+        raise GradingError(f"{path} is not a lab folder: it has no {NOTEBOOK}")
+    data = _read_yaml(path / SETTINGS)
+    grading = data.get("grading") or {}
+    if not isinstance(grading, dict):
+        raise GradingError(f"{path / SETTINGS}: 'grading' must be a mapping, got {grading!r}")
+    known = set(GradingSettings.__dataclass_fields__)
+    unknown = sorted(set(grading) - known)
+    if unknown:
+        raise GradingError(f"{path / SETTINGS}: unknown grading field(s) {unknown}; known: {sorted(known)}")
+    settings = GradingSettings(**grading)
+    _validate(settings, path / SETTINGS)
+    goals = data.get("goals") or []
+    return Lab(path, path.name, str(data.get("title") or path.name), data.get("minutes"),
+               list(goals) if isinstance(goals, list) else [str(goals)], settings)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    import yaml
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise GradingError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise GradingError(f"{path}: expected a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def _validate(s: GradingSettings, where: Path) -> None:
+    if not isinstance(s.parameters, dict):
+        raise GradingError(f"{where}: grading.parameters must be a mapping, got {s.parameters!r}")
+    for name in ("cell_timeout_s", "total_timeout_s"):
+        value = getattr(s, name)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise GradingError(f"{where}: grading.{name} must be a number of seconds > 0, got {value!r}")
+    if s.memory_mb is not None and (not isinstance(s.memory_mb, int) or s.memory_mb < 64):
+        raise GradingError(f"{where}: grading.memory_mb must be an integer >= 64 (MiB) or null, got {s.memory_mb!r}")
+
+
+def is_private(relpath: str | Path) -> bool:
+    """Whether a path inside a lab folder must stay with the instructor (see PRIVATE)."""
+    return any(fnmatch.fnmatch(part, pattern) for part in Path(relpath).parts for pattern in PRIVATE)
+
+
+def parameter_defaults(notebook: str | Path) -> dict[str, Any]:
+    """Literal defaults of the cell tagged `parameters` ({} when there is none or it is not plain literals)."""
+    import ast
+    import json
+    try:
+        nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    for cell in nb.get("cells", []):
+        if "parameters" not in cell.get("metadata", {}).get("tags", []):
+            continue
+        source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
+        out = {}
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            return {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                try:
+                    out[node.targets[0].id] = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+        return out
+    return {}
+
+
+def run_output_dir(lab_dir: str | Path) -> Path | None:
+    """The folder (relative to the lab) where the notebook writes its runs: the `out_dir` parameter's default."""
+    value = parameter_defaults(Path(lab_dir) / NOTEBOOK).get("out_dir")
+    if not isinstance(value, str) or not value or Path(value).is_absolute() or ".." in Path(value).parts:
+        return None
+    return Path(value)
+
+
+def student_files(lab_dir: str | Path) -> list[Path]:
+    """Files of a lab a student may have (relative, sorted): private names, symbolic links and the outputs of
+    the instructor's own runs (the `out_dir` folder) left out."""
+    root = Path(lab_dir)
+    runs = run_output_dir(root)
+    out = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if path.is_symlink() or not path.is_file() or is_private(rel):
+            continue
+        if runs is not None and (rel == runs or runs in rel.parents):
+            continue
+        out.append(rel)
+    return out
+
+
+def find_labs(labs_root: str | Path) -> list[Path]:
+    """Lab folders under `labs_root` (those holding a lab.ipynb), sorted by name."""
+    return sorted(p.parent for p in Path(labs_root).glob(f"*/{NOTEBOOK}") if not is_private(p.parent.name))
+
+
+__all__ = ["GradingError", "GradingSettings", "Lab", "load_lab", "is_private", "student_files", "find_labs",
+           "parameter_defaults", "run_output_dir",
+           "NOTEBOOK", "CHECKS", "HIDDEN_CHECKS", "SETTINGS", "PRIVATE"]

@@ -1,0 +1,167 @@
+"""Student copies of the labs: solutions removed, outputs stripped, hidden checks left out.
+
+    scalelab labs release                    # every labs/*/ into build/student/labs/ (what the hub hands out)
+    scalelab labs release 01_ddp --out DIR
+
+In a code cell, the lines from `# BEGIN SOLUTION` to `# END SOLUTION` (both included) become, at the
+indentation of the BEGIN line:
+
+    # YOUR CODE HERE
+    raise NotImplementedError("exercise")
+
+A marker without its partner, or a nested BEGIN, is a ReleaseError naming the lab, the cell and the line: a
+half-stripped solution must never reach students. lab.yaml and checks.py are kept (SelfCheck needs them);
+everything `lab.PRIVATE` names (hidden_checks.py, solutions/, dot files, caches) is left out, and so is the
+folder the notebook's `out_dir` parameter names by default (the instructor's own runs, figures, traces).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .lab import NOTEBOOK, GradingError, find_labs, student_files
+
+BEGIN = re.compile(r"^(\s*)#+\s*BEGIN SOLUTION\b")
+END = re.compile(r"^\s*#+\s*END SOLUTION\b")
+PLACEHOLDER = ("# YOUR CODE HERE", 'raise NotImplementedError("exercise")')
+# Notebook metadata that only says how the reference was last executed.
+_RUN_METADATA = ("papermill", "execution", "scalelab")
+
+
+def repo_root() -> Path:
+    """The checkout this package runs from (labs/ and build/ live there)."""
+    return Path(__file__).resolve().parents[2]
+
+
+DEFAULT_LABS = repo_root() / "labs"
+DEFAULT_OUT = repo_root() / "build" / "student" / "labs"
+
+
+class ReleaseError(GradingError):
+    """A lab cannot be released as it is (unbalanced solution markers, a bad output folder)."""
+
+
+@dataclass
+class ReleaseReport:
+    """What releasing one lab did."""
+
+    lab: str
+    out: Path
+    exercises: int = 0
+    """Solution blocks replaced."""
+    files: list[str] = field(default_factory=list)
+    """Files written (relative to `out`)."""
+    left_out: list[str] = field(default_factory=list)
+    """Private files not copied (hidden checks, solutions, caches)."""
+
+
+def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
+    """`source` with each solution block replaced by the placeholder; returns (new source, blocks replaced)."""
+    out, block_indent, blocks = [], None, 0
+    lines = source.splitlines(keepends=True)
+    for number, line in enumerate(lines, 1):
+        begin, end = BEGIN.match(line), END.match(line)
+        if begin:
+            if block_indent is not None:
+                raise ReleaseError(f"{where}, line {number}: BEGIN SOLUTION inside another solution block")
+            block_indent = begin.group(1)
+            continue
+        if end:
+            if block_indent is None:
+                raise ReleaseError(f"{where}, line {number}: END SOLUTION without a BEGIN SOLUTION before it")
+            newline = "\n" if line.endswith("\n") else ""
+            out.append("".join(f"{block_indent}{p}\n" for p in PLACEHOLDER).rstrip("\n") + newline)
+            block_indent, blocks = None, blocks + 1
+            continue
+        if block_indent is None:
+            out.append(line)
+    if block_indent is not None:
+        raise ReleaseError(f"{where}: BEGIN SOLUTION is never closed by an END SOLUTION")
+    return "".join(out), blocks
+
+
+def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
+    """A student copy of a notebook (JSON dict): solutions replaced, outputs and run metadata stripped."""
+    nb = copy.deepcopy(nb)
+    total = 0
+    for index, cell in enumerate(nb.get("cells", [])):
+        meta = cell.setdefault("metadata", {})
+        for key in _RUN_METADATA:
+            meta.pop(key, None)
+        if cell.get("cell_type") != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
+        new, blocks = strip_solutions(source, f"{where}: cell {index} (id {cell.get('id')!r})")
+        cell["source"], cell["outputs"], cell["execution_count"] = new, [], None
+        total += blocks
+    for key in _RUN_METADATA:
+        nb.get("metadata", {}).pop(key, None)
+    return nb, total
+
+
+def release_lab(lab_dir: str | Path, out_dir: str | Path) -> ReleaseReport:
+    """Write the student copy of one lab into `out_dir` (replacing what was there)."""
+    lab_dir, out_dir = Path(lab_dir).resolve(), Path(out_dir).resolve()
+    if not (lab_dir / NOTEBOOK).is_file():
+        raise ReleaseError(f"{lab_dir} is not a lab folder: it has no {NOTEBOOK}")
+    if out_dir == lab_dir or lab_dir in out_dir.parents or out_dir in lab_dir.parents:
+        raise ReleaseError(f"the student copy {out_dir} would overwrite or contain the reference lab {lab_dir}; "
+                           "pick another --out")
+    nb = json.loads((lab_dir / NOTEBOOK).read_text(encoding="utf-8"))
+    student_nb, exercises = student_notebook(nb, f"{lab_dir.name}/{NOTEBOOK}")
+    report = ReleaseReport(lab_dir.name, out_dir, exercises)
+    kept = set(student_files(lab_dir))
+    report.left_out = sorted(str(p.relative_to(lab_dir)) for p in lab_dir.rglob("*")
+                             if p.is_file() and p.relative_to(lab_dir) not in kept)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for rel in student_files(lab_dir):
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if rel == Path(NOTEBOOK):
+                target.write_text(json.dumps(student_nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            else:
+                shutil.copy2(lab_dir / rel, target)
+            report.files.append(str(rel))
+        staging.chmod(0o755)  # mkdtemp makes it 0700; students (other users) must read it
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # a file left out now (renamed, made private) must not linger from last time
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return report
+
+
+def release_labs(names: list[str] | None = None, labs_root: str | Path = DEFAULT_LABS,
+                 out_root: str | Path = DEFAULT_OUT) -> list[ReleaseReport]:
+    """Release the named labs (folder names or paths), or every lab under `labs_root`, into `out_root`/<name>."""
+    if names:
+        dirs = [resolve_lab(n, labs_root) for n in names]
+    else:
+        dirs = find_labs(labs_root)
+        if not dirs:
+            raise ReleaseError(f"no labs found under {labs_root} (folders holding a {NOTEBOOK})")
+    return [release_lab(d, Path(out_root) / d.name) for d in dirs]
+
+
+def resolve_lab(name: str | Path, labs_root: str | Path = DEFAULT_LABS) -> Path:
+    """A lab folder from a path, or from a folder name under `labs_root`."""
+    path = Path(name)
+    if path.name == NOTEBOOK:
+        path = path.parent
+    for cand in (path, Path(labs_root) / str(name)):
+        if (cand / NOTEBOOK).is_file():
+            return cand.resolve()
+    known = ", ".join(p.name for p in find_labs(labs_root)) or "none"
+    raise ReleaseError(f"no lab {str(name)!r}: not a folder with a {NOTEBOOK}, nor a lab under {labs_root} "
+                       f"(labs there: {known})")
+
+
+__all__ = ["ReleaseError", "ReleaseReport", "strip_solutions", "student_notebook", "release_lab", "release_labs",
+           "resolve_lab", "DEFAULT_LABS", "DEFAULT_OUT", "PLACEHOLDER"]

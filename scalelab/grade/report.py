@@ -1,0 +1,149 @@
+"""Grading reports: a JSON result and an HTML feedback page per student, and the CSV gradebook.
+
+    OUT/results/<student>.json     the result (safe to hand to the student)
+    OUT/feedback/<student>.html    the same for people: score, what happened to the run, each check
+    OUT/notebooks/<student>.ipynb  the executed notebook, long outputs cut
+    OUT/gradebook.csv              one row per student graded into OUT (all results/*.json, not only this batch)
+    OUT/instructor/                runner logs, tracebacks of hidden checks that crashed: not for students
+
+Hidden checks appear to students with their name, outcome, points and message only: never their source, and
+never the traceback of a hidden check that crashed (that goes to instructor/hidden_check_errors.jsonl).
+Everything shown is HTML-escaped: messages can carry values the student's notebook recorded.
+"""
+from __future__ import annotations
+
+import csv
+import html
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from .checks import CheckResult
+
+_LOCK = threading.Lock()
+OUTCOME_LABEL = {"pass": "passed", "partial": "partly", "fail": "failed", "missing": "missing", "error": "error"}
+_CSS = """body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
+table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:.35rem .5rem;text-align:left;
+vertical-align:top}.pass{color:#176b2c}.partial{color:#8a5a00}.fail,.missing,.error{color:#a11}
+.status{padding:.6rem .8rem;border-radius:6px;background:#f4f4f4}pre{background:#f7f7f7;padding:.6rem;
+overflow:auto;max-height:24rem;font-size:13px}.hidden{font-size:12px;color:#666}"""
+
+
+def prepare_out_dir(out: Path, private: bool = False) -> None:
+    """Create the report folders; `private` (grading as root): only the owner may enter OUT."""
+    for sub in ("results", "feedback", "notebooks", "instructor/logs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    if private:
+        out.chmod(0o700)
+
+
+def check_to_dict(c: CheckResult) -> dict:
+    """A check result as shown to the student: no crash traceback for hidden checks."""
+    d = c.to_dict()
+    if c.hidden:
+        d["detail"] = ""
+    d["duration_s"] = round(d.get("duration_s", 0.0), 4)
+    return d
+
+
+def result_to_dict(result) -> dict:
+    """A SubmissionResult as JSON data (what results/<student>.json holds)."""
+    return {"student": result.student, "lab": result.lab, "submission": result.submission,
+            "status": result.status, "message": result.message, "score": result.score,
+            "max_score": result.max_score, "percent": result.percent,
+            "checks": [check_to_dict(c) for c in result.checks], "execution": result.execution,
+            "notes": result.notes, "sandbox": result.sandbox, "duration_s": result.duration_s,
+            "notebook": result.notebook, "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_submission(out: Path, result) -> dict:
+    """Write results/<student>.json and feedback/<student>.html; log hidden checks' crashes for instructors."""
+    data = result_to_dict(result)
+    _atomic_write(out / "results" / f"{result.student}.json", json.dumps(data, indent=1, ensure_ascii=False,
+                                                                        default=str))
+    _atomic_write(out / "feedback" / f"{result.student}.html", feedback_html(data))
+    crashed = [c for c in result.checks if c.hidden and c.detail]
+    if crashed:
+        with _LOCK, open(out / "instructor" / "hidden_check_errors.jsonl", "a", encoding="utf-8") as f:
+            for c in crashed:
+                f.write(json.dumps({"student": result.student, "check": c.name, "traceback": c.detail}) + "\n")
+    return data
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def load_results(out: Path) -> list[dict]:
+    """Every results/*.json in `out`, sorted by student."""
+    found = []
+    for path in sorted((Path(out) / "results").glob("*.json")):
+        try:
+            found.append(json.loads(path.read_text(encoding="utf-8")))
+        except ValueError:
+            continue
+    return sorted(found, key=lambda d: d.get("student", ""))
+
+
+def write_gradebook(out: Path) -> Path:
+    """gradebook.csv from every result in `out`: student, percent, score, status, then points per check."""
+    results = load_results(out)
+    names: list[str] = []
+    for r in results:
+        for c in r.get("checks", []):
+            label = c["name"] + (" (hidden)" if c.get("hidden") else "")
+            if label not in names:
+                names.append(label)
+    path = Path(out) / "gradebook.csv"
+    with _LOCK, open(path.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "percent", "score", "max_score", "status", "message", *names])
+        for r in results:
+            points = {c["name"] + (" (hidden)" if c.get("hidden") else ""): c["points"] for c in r.get("checks", [])}
+            w.writerow([r["student"], r["percent"], r["score"], r["max_score"], r["status"],
+                        r["message"][:300], *[points.get(n, "") for n in names]])
+    path.with_suffix(".csv.tmp").replace(path)
+    return path
+
+
+def checks_table_html(checks: Iterable[Any]) -> str:
+    """An HTML table of check results (CheckResult or their dicts): name, outcome, points, message."""
+    rows = []
+    for c in checks:
+        c = c if isinstance(c, dict) else check_to_dict(c)
+        e = html.escape
+        tag = ' <span class="hidden">(hidden check)</span>' if c.get("hidden") else ""
+        rows.append(f'<tr><td>{e(c["name"])}{tag}</td><td class="{e(c["outcome"])}">'
+                    f'{e(OUTCOME_LABEL.get(c["outcome"], c["outcome"]))}</td>'
+                    f'<td>{c["points"]:g} / {c["max_points"]:g}</td><td>{e(c.get("message") or "")}</td></tr>')
+    return ("<table><thead><tr><th>check</th><th>result</th><th>points</th><th>message</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def feedback_html(data: dict) -> str:
+    """The feedback page of one result (as `result_to_dict` makes it)."""
+    e = html.escape
+    ex = data.get("execution", {})
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(data['lab'])}: {e(data['student'])}"
+             f"</title><style>{_CSS}</style></head><body>",
+             f"<h1>{e(data['lab'])}</h1><p>Feedback for <b>{e(data['student'])}</b> "
+             f"({e(data['submission'])})</p>",
+             f"<h2>Score: {data['score']:g} / {data['max_score']:g} ({data['percent']:g} %)</h2>",
+             f"<p class='status'><b>Run:</b> {e(data['status'].replace('_', ' '))} — {e(data['message'])}</p>",
+             "<h2>Checks</h2>", checks_table_html(data["checks"])]
+    if ex.get("traceback"):
+        parts += ["<h2>Where the run stopped</h2>", f"<pre>{e(ex['traceback'])}</pre>"]
+    if data.get("notes"):
+        parts += ["<h2>Notes</h2><ul>", *[f"<li>{e(n)}</li>" for n in data["notes"]], "</ul>"]
+    parts.append("<p class='hidden'>Output on stderr never costs points. Hidden checks show their name, result and "
+                 "message only.</p></body></html>")
+    return "\n".join(parts)
+
+
+__all__ = ["prepare_out_dir", "write_submission", "write_gradebook", "load_results", "result_to_dict",
+           "check_to_dict", "checks_table_html", "feedback_html"]

@@ -1,0 +1,102 @@
+"""The sandboxed side of grading one submission: `python -m scalelab.grade.runner JOB.json`.
+
+The grader writes JOB.json (notebook, working copy, parameters, limits, sandbox plan) and starts this module in
+its own session. It confines itself (`apply_sandbox`) before anything of the student's runs, executes the
+notebook with `execute_notebook`, and writes what happened to JOB["outcome"] as JSON. The grader treats that
+file like everything else in the job folder: as data the student could have written.
+
+Parameters the submission's `parameters` cell no longer declares are left out (with a note) rather than failing
+the whole run: the student then runs with their own value of those.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .execute import NotebookError, NotebookParameterError, NotebookResult, execute_notebook
+from .sandbox import SandboxError, SandboxPlan, apply_sandbox
+
+MAX_TRACEBACK_CHARS = 8000
+
+
+def main(argv: list[str]) -> int:
+    """Run one job; the exit status is 0 whenever an outcome file was written."""
+    job = json.loads(Path(argv[0]).read_text())
+    start = time.monotonic()
+    try:
+        apply_sandbox(SandboxPlan.from_dict(job["sandbox"]))
+    except (SandboxError, OSError) as e:
+        _write(job, {"status": "grader_error", "message": f"the sandbox could not be set up: {e}"})
+        return 0
+    os.chdir(job["cwd"])
+    outcome = _execute(job)
+    _reap_descendants()
+    outcome["duration_s"] = round(time.monotonic() - start, 3)
+    _write(job, outcome)
+    return 0
+
+
+def _execute(job: dict) -> dict:
+    notes = []
+    parameters = dict(job["parameters"])
+    kw = dict(output_path=job["output"], cwd=job["cwd"], cell_timeout=job["cell_timeout"],
+              total_timeout=job["total_timeout"])
+    try:
+        try:
+            result = execute_notebook(job["notebook"], parameters, **kw)
+        except NotebookParameterError as e:
+            if not e.unknown:
+                raise
+            notes.append(f"your notebook's parameters cell does not declare {list(e.unknown)}: the grader could not "
+                         "set them, so your own values were used")
+            result = execute_notebook(job["notebook"], {k: v for k, v in parameters.items() if k not in e.unknown},
+                                      **kw)
+    except NotebookParameterError as e:
+        return {"status": "malformed", "message": str(e), "notes": notes}
+    except NotebookError as e:
+        return {"status": "grader_error", "message": f"the notebook could not be executed: {e}", "notes": notes}
+    return {**describe(result), "notes": notes}
+
+
+def describe(result: NotebookResult) -> dict:
+    """A NotebookResult as JSON data: status, and where and how it failed (no records: the grader reads those)."""
+    out = {"status": result.status, "message": ""}
+    err = result.error
+    if err is None:
+        return out
+    out["message"] = str(err)
+    for name in ("cell_index", "cell_id", "ename", "evalue", "limit_s"):
+        if getattr(err, name, None) is not None:
+            out[name] = getattr(err, name)
+    if getattr(err, "cell_tags", None):
+        out["cell_tags"] = list(err.cell_tags)
+    if getattr(err, "source", ""):
+        out["source"] = err.source[:MAX_TRACEBACK_CHARS]
+    if getattr(err, "traceback", ""):
+        out["traceback"] = err.traceback[-MAX_TRACEBACK_CHARS:]
+    return out
+
+
+def _reap_descendants() -> None:
+    # We are a subreaper: whatever the run left behind (a daemon it double-forked) is our descendant by now.
+    import psutil
+    procs = psutil.Process().children(recursive=True)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _write(job: dict, outcome: dict) -> None:
+    tmp = Path(job["outcome"] + ".tmp")
+    tmp.write_text(json.dumps(outcome, default=str))
+    tmp.replace(job["outcome"])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

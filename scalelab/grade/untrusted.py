@@ -1,0 +1,138 @@
+"""Reading what a submission's run left behind, as data that may be hostile.
+
+Everything under a job's folder was written by code the student controls. The grader reads it only after every
+process of the run is dead, and then: never through a symbolic link (each path part opened with O_NOFOLLOW
+from a folder the grader created), only regular files, never more than a size cap, as JSON (nothing unpickled
+or executed), tolerating malformed parts, and with long texts cut before they are stored or shown.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from ..record import MIME, decode_value
+
+MAX_NOTEBOOK_BYTES = 64 * 2**20
+MAX_OUTPUT_CHARS = 20_000
+"""Per output (stream text, text/plain, a traceback) in the stored notebook and in feedback."""
+MAX_RECORD_PAYLOAD_CHARS = 200_000
+TRUNCATED = "\n[... {n} characters cut by the grader ...]\n"
+
+
+class UntrustedFileError(OSError):
+    """A file of the run could not be read safely: missing, a link, not a regular file, or too large."""
+
+
+def read_beneath(base: str | Path, relpath: str | Path, max_bytes: int) -> bytes:
+    """Bytes of `base`/`relpath`, following no symbolic link below `base`; at most `max_bytes`."""
+    parts = Path(relpath).parts
+    if not parts or any(p in ("..", "/") for p in parts):
+        raise UntrustedFileError(f"bad relative path {relpath!r}")
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        try:
+            ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as e:
+            raise UntrustedFileError(f"{relpath}: {e.strerror}") from None
+        with os.fdopen(ffd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise UntrustedFileError(f"{relpath}: not a regular file")
+            if info.st_size > max_bytes:
+                raise UntrustedFileError(f"{relpath}: {info.st_size / 2**20:.1f} MiB, over the grader's limit of "
+                                         f"{max_bytes / 2**20:.1f} MiB")
+            return f.read(max_bytes + 1)[:max_bytes]
+    finally:
+        os.close(fd)
+
+
+def load_json_beneath(base, relpath, max_bytes: int = MAX_NOTEBOOK_BYTES) -> Any:
+    """JSON data of a run's file (see `read_beneath`); UntrustedFileError or ValueError when unreadable."""
+    return json.loads(read_beneath(base, relpath, max_bytes).decode("utf-8"))
+
+
+def cap_text(text: Any, limit: int = MAX_OUTPUT_CHARS) -> str:
+    """`text` as str, cut in the middle when longer than `limit` (start and end are what people read)."""
+    text = "".join(text) if isinstance(text, list) else str(text)
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    tail = limit - head
+    return text[:head] + TRUNCATED.format(n=len(text) - limit) + text[-tail:]
+
+
+def tolerant_records(nb: Any) -> tuple[dict[str, Any], list[str]]:
+    """Records of an executed notebook like `read_records`, skipping malformed ones; returns (records, problems)."""
+    records, problems = {}, []
+    cells = nb.get("cells", []) if isinstance(nb, dict) else []
+    for index, cell in enumerate(cells if isinstance(cells, list) else []):
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code" or not isinstance(cell.get("outputs"), list):
+            continue
+        for output in cell["outputs"]:
+            data = output.get("data") if isinstance(output, dict) else None
+            if not isinstance(data, dict) or MIME not in data:
+                continue
+            payload = data[MIME]
+            try:
+                if isinstance(payload, str):
+                    if len(payload) > MAX_RECORD_PAYLOAD_CHARS:
+                        raise ValueError("too large")
+                    payload = json.loads(payload)
+                name = payload["name"]
+                if not isinstance(name, str):
+                    raise ValueError("name is not a string")
+                records[name] = decode_value(payload["value"])
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
+                problems.append(f"cell {index}: a malformed record output was ignored ({type(e).__name__})")
+    return records, problems
+
+
+def cap_notebook(nb: dict, limit: int = MAX_OUTPUT_CHARS) -> tuple[dict, int]:
+    """Cut every long output of an executed notebook in place (for storing and showing); returns (nb, cuts)."""
+    cuts = 0
+    for cell in nb.get("cells", []) if isinstance(nb, dict) else []:
+        if not isinstance(cell, dict):
+            continue
+        for output in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
+            if not isinstance(output, dict):
+                continue
+            if "text" in output:
+                cuts += _cap_field(output, "text", limit)
+            if "traceback" in output and isinstance(output["traceback"], list):
+                joined = "\n".join(map(str, output["traceback"]))
+                if len(joined) > limit:
+                    output["traceback"], cuts = [cap_text(joined, limit)], cuts + 1
+            data = output.get("data")
+            if isinstance(data, dict):
+                for key in list(data):
+                    if key == MIME:
+                        if len(json.dumps(data[key])) > MAX_RECORD_PAYLOAD_CHARS:
+                            data[key], cuts = {"name": "cut", "value": None}, cuts + 1
+                    elif key.startswith("text/") or key.endswith("+json") or key.endswith("json"):
+                        cuts += _cap_field(data, key, limit)
+                    elif len(str(data[key])) > 4 * limit:  # images and other blobs
+                        data.pop(key)
+                        data.setdefault("text/plain", f"[{key} output dropped by the grader: too large]")
+                        cuts += 1
+    return nb, cuts
+
+
+def _cap_field(d: dict, key: str, limit: int) -> int:
+    value = d[key]
+    text = value if isinstance(value, str) else ("".join(value) if isinstance(value, list) and
+                                                  all(isinstance(v, str) for v in value) else json.dumps(value))
+    if len(text) <= limit:
+        return 0
+    d[key] = cap_text(text, limit)
+    return 1
+
+
+__all__ = ["UntrustedFileError", "read_beneath", "load_json_beneath", "cap_text", "tolerant_records",
+           "cap_notebook", "MAX_NOTEBOOK_BYTES", "MAX_OUTPUT_CHARS"]
