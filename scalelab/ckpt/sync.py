@@ -1,99 +1,109 @@
-"""Synchronous, atomic checkpoints written by rank 0."""
+"""Synchronous, atomic checkpoints written by rank 0: training waits until the bytes are on disk.
+
+    save_checkpoint("runs/x/checkpoints", step, model, optimizer, keep_last=2)   # the functional API
+    ck = SyncCheckpointer("runs/x/checkpoints", keep_last=2, writer=is_rank0)   # what the loop holds
+    ck.save(step, model, optimizer, metric=loss)  # -> {"blocked_s": ..., "path": ..., "bytes": ...}
+    step = ck.restore(model, optimizer)           # 0 when there is nothing to resume from
+"""
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from ..errors import ScalelabError
-
-MANIFEST = "manifest.json"
+from .manifest import CheckpointError, atomic_write, latest, read_manifest, record, verify
 
 
-class CheckpointError(ScalelabError):
-    """A checkpoint is missing, partial or corrupted; the message names the file."""
+def capture(step: int, model, optimizer, extra: dict | None = None) -> dict:
+    """What a checkpoint holds: step, model and optimizer state, the CPU RNG state, and `extra`."""
+    return {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "rng": torch.get_rng_state(), "extra": extra or {}}
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temp file in the same directory, fsync it, rename over `path`, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint at `step`."""
+    return f"step-{step:08d}.pt"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def read_manifest(directory: Path) -> list[dict]:
-    """The manifest's entries, oldest first (empty when there is none)."""
-    path = Path(directory) / MANIFEST
-    if not path.exists():
-        return []
-    try:
-        return json.loads(path.read_text())["checkpoints"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{path} is not a valid checkpoint manifest ({e}); move it aside to start fresh") from e
-
-
-def save_checkpoint(directory, step: int, model, optimizer, keep_last: int = 2, extra: dict | None = None) -> Path:
-    """Atomically save model + optimizer at `step`, record it in the manifest, keep the newest `keep_last`."""
+def write_checkpoint(directory, state: dict, keep_last: int = 2, keep_best: int = 0, metric: float | None = None
+                     ) -> tuple[Path, int]:
+    """Write `state` atomically, then enter it in the manifest (with its checksum) and apply retention."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{step:08d}.pt"
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "rng": torch.get_rng_state(), "extra": extra or {}}
-    _atomic_write(path, lambda f: torch.save(state, f))
-    entries = [e for e in read_manifest(directory) if e["step"] != step]
-    entries.append({"step": step, "file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size})
-    entries.sort(key=lambda e: e["step"])
-    drop, entries = entries[:-keep_last], entries[-keep_last:]
-    _atomic_write(directory / MANIFEST, lambda f: f.write(json.dumps({"checkpoints": entries}, indent=1).encode()))
-    for e in drop:
-        (directory / e["file"]).unlink(missing_ok=True)
+    path = directory / checkpoint_name(state["step"])
+    try:
+        digest, size = atomic_write(path, lambda f: torch.save(state, f))
+    except OSError as e:
+        raise CheckpointError(f"could not write {path}: {e.strerror or e}; check free space and permissions") from e
+    entry = {"step": state["step"], "file": path.name, "kind": "file", "sha256": digest, "bytes": size}
+    if metric is not None:
+        entry["metric"] = float(metric)
+    record(directory, entry, keep_last, keep_best)
+    return path, size
+
+
+def save_checkpoint(directory, step: int, model, optimizer, keep_last: int = 2, extra: dict | None = None,
+                    metric: float | None = None, keep_best: int = 0) -> Path:
+    """Atomically save model + optimizer at `step`, record it in the manifest, keep the newest `keep_last`
+    (and the `keep_best` with the lowest `metric`)."""
+    path, _ = write_checkpoint(directory, capture(step, model, optimizer, extra), keep_last, keep_best, metric)
     return path
 
 
 def latest_checkpoint(directory) -> Path | None:
     """The newest checkpoint the manifest lists (only complete ones are ever listed), or None."""
-    entries = read_manifest(Path(directory))
-    return Path(directory) / entries[-1]["file"] if entries else None
+    return latest(directory)
 
 
 def load_checkpoint(path, model, optimizer=None) -> int:
-    """Verify the checksum, load model (+ optimizer) state, and return the step to continue from."""
+    """Verify the checksum, load model (+ optimizer) state and the RNG state; return the step to continue from."""
     path = Path(path)
-    entry = next((e for e in read_manifest(path.parent) if e["file"] == path.name), None)
-    if entry is None:
-        raise CheckpointError(f"{path} is not in {path.parent / MANIFEST}: it may be partial; it will not be loaded")
-    if not path.exists():
-        raise CheckpointError(f"{path} is listed in the manifest but missing; restore it or edit the manifest")
-    if _sha256(path) != entry["sha256"]:
-        raise CheckpointError(f"{path} is corrupted (sha256 differs from the manifest); delete it and its manifest "
-                              "entry to resume from an older checkpoint")
+    verify(path)
     state = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+class SyncCheckpointer:
+    """Rank 0 writes the whole checkpoint while training waits; other ranks do nothing (the loop's barrier
+    keeps them from running ahead of a checkpoint that is not complete)."""
+
+    mode = "sync"
+    needs_barrier = True
+
+    def __init__(self, directory, keep_last: int = 2, keep_best: int = 0, writer: bool = True):
+        self.directory, self.keep_last, self.keep_best, self.writer = Path(directory), keep_last, keep_best, writer
+
+    def save(self, step: int, model, optimizer, metric: float | None = None, extra: dict | None = None) -> dict:
+        """Write now; returns blocked_s (all of it is a stall), path and bytes."""
+        t0 = time.perf_counter()
+        if not self.writer:
+            return {"step": step, "blocked_s": 0.0, "path": None, "bytes": 0}
+        path, size = write_checkpoint(self.directory, capture(step, model, optimizer, extra), self.keep_last,
+                                      self.keep_best, metric)
+        return {"step": step, "blocked_s": time.perf_counter() - t0, "path": str(path), "bytes": size}
+
+    def completed(self) -> list[dict]:
+        """Flushes finished since the last call (a sync save is finished when save returns: none pending)."""
+        return []
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return latest(self.directory)
+
+    def restore(self, model, optimizer, path=None) -> int:
+        """Load the newest complete checkpoint (or `path`); the step to continue from, 0 if there is none."""
+        path = path or self.latest()
+        return load_checkpoint(path, model, optimizer) if path else 0
+
+    def close(self) -> list[dict]:
+        """Nothing is in flight."""
+        return []
+
+
+__all__ = ["CheckpointError", "SyncCheckpointer", "capture", "checkpoint_name", "write_checkpoint",
+           "save_checkpoint", "latest_checkpoint", "load_checkpoint", "read_manifest"]

@@ -1,0 +1,148 @@
+"""Asynchronous checkpoints: copy the state to host memory, let training go on, write it in the background.
+
+Training stalls only for the snapshot (a memory copy, into buffers reused from one save to the next, pinned
+when a GPU is there) and, when `max_in_flight` earlier saves are still being written, for the oldest of them
+to finish. The background thread writes exactly what a sync save writes (same atomic file, same manifest
+entry), so resume does not care how a checkpoint was made. A flush that fails is not lost: its error is
+raised at the next `save()`, `completed()` or `close()`, naming the file (DeepFreeze / DataStates idea).
+
+    ck = AsyncCheckpointer("runs/x/checkpoints", keep_last=2, max_in_flight=1)
+    info = ck.save(step, model, optimizer)   # returns after the snapshot: info["blocked_s"] is the stall
+    ...
+    ck.close()                                # waits for the last flush; raises its error if it failed
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .manifest import CheckpointError, latest
+from .sync import capture, checkpoint_name, load_checkpoint, write_checkpoint
+
+
+class HostSnapshot:
+    """Copies nested state (dicts, lists, tensors, plain values) into host buffers kept between calls."""
+
+    def __init__(self, pin: bool | None = None):
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, state, path: str = ""):
+        """A snapshot of `state` whose tensors live in this object's buffers (valid until the next copy)."""
+        if isinstance(state, torch.Tensor):
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != state.shape or buf.dtype != state.dtype:
+                buf = torch.empty(state.shape, dtype=state.dtype, device="cpu", pin_memory=self.pin)
+                self._buffers[path] = buf
+            buf.copy_(state.detach(), non_blocking=self.pin)
+            return buf
+        if isinstance(state, dict):
+            return {k: self.copy(v, f"{path}/{k}") for k, v in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(self.copy(v, f"{path}/{i}") for i, v in enumerate(state))
+        return state  # ints, floats, strings, None: immutable or copied by state_dict() already
+
+    def nbytes(self) -> int:
+        """Host memory held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class AsyncCheckpointer:
+    """Snapshot on the training thread, write on a background thread; at most `max_in_flight` unwritten."""
+
+    mode = "async"
+    needs_barrier = False  # every rank holds the same state; nothing on disk is waited for
+
+    def __init__(self, directory, keep_last: int = 2, keep_best: int = 0, writer: bool = True,
+                 max_in_flight: int = 1):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.directory, self.keep_last, self.keep_best = Path(directory), keep_last, keep_best
+        self.writer, self.max_in_flight = writer, max_in_flight
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-flush")  # flushes in order
+        self._slots = [HostSnapshot() for _ in range(max_in_flight)]
+        self._free = deque(range(max_in_flight))
+        self._inflight: deque[tuple[Future, int, int]] = deque()  # (future, slot, step)
+        self._done: list[dict] = []
+        self._error: CheckpointError | None = None
+        self._lock = threading.Lock()
+
+    def save(self, step: int, model, optimizer, metric: float | None = None, extra: dict | None = None) -> dict:
+        """Snapshot now, write later. Raises the error of an earlier flush that failed."""
+        t0 = time.perf_counter()
+        self._reap(block=False)
+        if not self.writer:
+            return {"step": step, "blocked_s": 0.0, "path": None, "bytes": 0, "snapshot_s": 0.0, "waited_s": 0.0}
+        while not self._free:  # bounded: wait for the oldest flush to hand its buffers back
+            self._reap(block=True, just_one=True)
+        waited = time.perf_counter() - t0
+        slot = self._free.popleft()
+        t1 = time.perf_counter()
+        state = self._slots[slot].copy(capture(step, model, optimizer, extra))
+        if self._slots[slot].pin:
+            torch.cuda.synchronize()  # the copies were non-blocking; they must land before training moves on
+        snapshot_s = time.perf_counter() - t1
+        future = self._pool.submit(self._flush, state, metric)
+        self._inflight.append((future, slot, step))
+        return {"step": step, "blocked_s": time.perf_counter() - t0, "snapshot_s": snapshot_s, "waited_s": waited,
+                "path": str(self.directory / checkpoint_name(step)), "bytes": self._slots[slot].nbytes()}
+
+    def _flush(self, state: dict, metric) -> dict:
+        t0 = time.perf_counter()
+        path, size = write_checkpoint(self.directory, state, self.keep_last, self.keep_best, metric)
+        return {"step": state["step"], "path": str(path), "bytes": size, "flush_s": time.perf_counter() - t0,
+                "finished_t": time.time()}
+
+    def _reap(self, block: bool, just_one: bool = False) -> None:
+        while self._inflight and (block or self._inflight[0][0].done()):
+            future, slot, step = self._inflight.popleft()
+            try:
+                self._done.append(future.result())
+            except BaseException as e:  # noqa: BLE001 - kept and raised below, at a point the caller expects
+                if self._error is None:
+                    path = self.directory / checkpoint_name(step)
+                    self._error = CheckpointError(f"asynchronous checkpoint of step {step} to {path} failed: "
+                                                  f"{type(e).__name__}: {e}")
+                    self._error.__cause__ = e
+            self._free.append(slot)
+            if just_one:
+                break
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def completed(self) -> list[dict]:
+        """Flushes finished since the last call ({step, path, bytes, flush_s}); raises a failed flush's error."""
+        self._reap(block=False)
+        done, self._done = self._done, []
+        return done
+
+    def in_flight(self) -> int:
+        """Saves snapshotted but not yet on disk."""
+        return sum(1 for f, _, _ in self._inflight if not f.done())
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that is completely on disk, or None."""
+        return latest(self.directory)
+
+    def restore(self, model, optimizer, path=None) -> int:
+        """Load the newest complete checkpoint (or `path`); 0 when there is none."""
+        path = path or self.latest()
+        return load_checkpoint(path, model, optimizer) if path else 0
+
+    def close(self) -> list[dict]:
+        """Wait for every flush; returns those not yet reported; raises the first failure."""
+        try:
+            self._reap(block=True)
+        finally:
+            self._pool.shutdown(wait=True)
+        done, self._done = self._done, []
+        return done
+
+
+__all__ = ["AsyncCheckpointer", "HostSnapshot"]
