@@ -154,7 +154,7 @@ def test_update_culler_is_a_managed_service_with_minimal_scopes(cfg):
     names = [s["name"] for s in c.JupyterHub.services]
     assert names == ["other", "idle-culler"]
     cmd = c.JupyterHub.services[1]["command"]
-    assert cmd[:3] == [sys.executable, "-m", "jupyterhub_idle_culler"] and "--timeout=3600" in cmd
+    assert cmd[:3] == [sys.executable, "-m", "scalelab.hub.culler"] and "--timeout=3600" in cmd
     role = c.JupyterHub.load_roles[-1]
     assert role["services"] == ["idle-culler"] and "admin:users" not in role["scopes"]
     hubconf.update_culler(c, cfg)

@@ -56,7 +56,7 @@ def test_spawn_gives_lab_with_the_labs_and_the_course_kernel(hub):
 
 def test_the_idle_culler_runs_as_a_hub_service(hub):
     import psutil
-    culler = [p for p in psutil.process_iter(["cmdline"]) if "jupyterhub_idle_culler" in " ".join(p.info["cmdline"] or [])
+    culler = [p for p in psutil.process_iter(["cmdline"]) if "scalelab.hub.culler" in " ".join(p.info["cmdline"] or [])
               and f":{hub.hub_port}/" in p.environ().get("JUPYTERHUB_API_URL", "")]
     assert len(culler) == 1, "one culler, started by this hub"
     assert "--timeout=3600" in culler[0].cmdline()

@@ -58,8 +58,7 @@ def update_hub(c, cfg: Mapping) -> None:
     c.JupyterHub.allow_named_servers = hub["named_servers"] > 0
     c.JupyterHub.named_server_limit_per_user = hub["named_servers"]
     c.JupyterHub.template_vars = {"announcement": cfg["course"]["name"]}
-    # processes the hub starts here (the idle culler, local servers): SIGINT, then SIGTERM, then SIGKILL, 3 s
-    # apart; JupyterHub's 10 + 5 + 5 s made every hub stop wait ~30 s for the culler
+    # local servers being stopped: SIGINT, then SIGTERM, then SIGKILL 3 s apart (JupyterHub: 10 + 5 + 5 s)
     c.LocalProcessSpawner.interrupt_timeout = 3
     c.LocalProcessSpawner.term_timeout = 3
     c.LocalProcessSpawner.kill_timeout = 3
@@ -153,11 +152,11 @@ def update_labs(c, cfg: Mapping) -> None:
 
 
 def update_culler(c, cfg: Mapping) -> None:
-    """jupyterhub-idle-culler as a hub-managed service with only the scopes it needs."""
+    """jupyterhub-idle-culler (via scalelab.hub.culler) as a hub-managed service with only the scopes it needs."""
     culler = cfg["culler"]
     if not culler["enabled"]:
         return
-    cmd = [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={culler['timeout']}",
+    cmd = [sys.executable, "-m", "scalelab.hub.culler", f"--timeout={culler['timeout']}",
            f"--cull-every={culler['every']}"]
     if culler["max_age"]:
         cmd.append(f"--max-age={culler['max_age']}")
