@@ -61,3 +61,18 @@ def test_the_idle_culler_runs_as_a_hub_service(hub):
     assert len(culler) == 1, "one culler, started by this hub"
     assert "--timeout=3600" in culler[0].cmdline()
     assert "Starting managed service idle-culler" in hub.log_path.read_text()
+
+
+def test_a_hub_started_in_the_background_stops_promptly(tmp_path):
+    """A shell's background job ignores SIGINT, and so did the upstream culler it started: each stop took ~31 s."""
+    import time
+
+    runner = HubRunner(tmp_path, settings={"culler": {"enabled": True}})
+    try:
+        runner.start(ignore_sigint=True)
+        time.sleep(3)  # the culler is in its loop
+        t0 = time.monotonic()
+        runner.stop()
+        assert time.monotonic() - t0 < 10
+    finally:
+        runner.cleanup()

@@ -156,13 +156,17 @@ class HubRunner:
         """This hub's full user name for `short` (prefixed, unique)."""
         return f"{self.prefix}-{short}"
 
-    def start(self, timeout: float = 90) -> "HubRunner":
-        """Start the hub and wait until its API answers through the proxy."""
+    def start(self, timeout: float = 90, ignore_sigint: bool = False) -> "HubRunner":
+        """Start the hub and wait until its API answers through the proxy.
+
+        `ignore_sigint` starts it the way a shell starts a background job (`make hub &`): SIGINT ignored."""
         self._log = open(self.log_path, "ab")
         env = {**os.environ, **(self.env or {})}
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        preexec = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
         self.proc = subprocess.Popen([sys.executable, "-m", "scalelab.cli", "hub", "--config", str(self.config_path)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=preexec)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
