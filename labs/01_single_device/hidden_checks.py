@@ -1,0 +1,64 @@
+"""Lab 01 hidden checks: cross-check recorded values against each other (a forged number rarely fits them all)."""
+import math
+
+from scalelab.grade.checks import check
+
+
+def _close(a, b, rel):
+    return math.isclose(a, b, rel_tol=rel)
+
+
+@check(points=2)
+def prediction_is_the_serial_formula(r):
+    """predicted_full_sps is exactly 1 / (1/data + 1/compute) of the recorded split."""
+    s = r["split"]
+    want = 1 / (1 / s["data"] + 1 / s["compute"])
+    assert _close(r["predicted_full_sps"], want, 1e-3), "the prediction does not follow from the recorded split"
+
+
+@check(points=1)
+def full_step_cannot_beat_its_slowest_stage(r):
+    """A serial step is no faster than its slower stage (plus noise)."""
+    s = r["split"]
+    assert s["full"] <= 1.25 * min(s["data"], s["compute"]), "full step faster than its slowest stage"
+
+
+@check(points=1)
+def engine_and_process_agree(r):
+    """The engine's baseline and the in-process measurement are within a factor 3 of each other."""
+    a, b = r["baseline_samples_per_s"], r["inprocess_full_sps"]
+    assert 1 / 3 <= a / b <= 3, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
+
+
+@check(points=2)
+def chosen_workers_is_the_smallest(r):
+    """chosen_workers is the smallest count within 90 % of the best."""
+    rows = {row["workers"]: row["samples_per_s"] for row in r["loader_sweep"]}
+    best = max(rows.values())
+    assert r["chosen_workers"] == min(w for w, v in rows.items() if v >= 0.9 * best), "not the smallest such count"
+
+
+@check(points=2)
+def conv_fraction_follows_the_profile(r):
+    """conv_fraction is recomputed from the recorded operator table."""
+    p = r["profile"]
+    want = sum(op["self_ms"] for op in p["ops"] if "conv" in op["name"]) / p["self_ms_total"]
+    assert _close(r["conv_fraction"], want, 1e-6), "conv_fraction does not follow from the recorded profile"
+
+
+@check(points=1)
+def ladder_is_consistent(r):
+    """Each rung's speedup and gain follow from the recorded samples/s."""
+    rows = r["ladder"]
+    base = rows[0]["samples_per_s"]
+    for prev, row in zip([rows[0]] + rows[:-1], rows):
+        assert _close(row["speedup"], row["samples_per_s"] / base, 1e-6), f"rung {row['name']}: speedup"
+        assert _close(row["gain"], row["samples_per_s"] / prev["samples_per_s"], 1e-6), f"rung {row['name']}: gain"
+
+
+@check(points=1)
+def precision_speedups_are_consistent(r):
+    """Each precision's speedup is its samples/s over fp32's."""
+    rows = r["precision"]
+    for row in rows:
+        assert _close(row["speedup"], row["samples_per_s"] / rows[0]["samples_per_s"], 1e-6), row["precision"]

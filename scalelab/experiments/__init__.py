@@ -1,0 +1,14 @@
+"""Worker code for lab experiments that are not a plain RunSpec training run.
+
+Each module serves one lab and builds its models, data and optimizers with the engine's own builders
+(`scalelab.train`, `scalelab.data`), so a measurement here is a measurement of what `launch()` trains:
+
+- `single_device`  (lab 01) throughput split data/compute/full, loader workers, precision, torch.compile,
+                   profiler trace, optimisation ladder — in the calling process, one device.
+- `collectives`    (lab 02) allreduce time and bandwidth against message size — run with `run_spmd`.
+- `ddp_internals`  (lab 02) gradients averaged by hand vs DDP, bucket size, `no_sync` accumulation,
+                   replica equality — run with `run_spmd`.
+- `horovod_port`   (lab 03) a training function ported to Horovod by the student, and Horovod's timeline.
+- `large_batch`    (lab 04) learning-rate scaling and warm-up, large batches with LARS/LAMB, and the gradient
+                   noise scale — in the calling process (the arithmetic of data parallelism on one rank).
+"""

@@ -1,0 +1,172 @@
+"""Lab 01: where does a single device's training time go, and what makes it faster?
+
+Every function runs in the calling process on one device (cuda:0 when the spec asks for it or `device=auto`
+finds one, else the CPU) with the model, data and optimizer the engine would build for the spec. Throughput is
+measured after `warmup` steps (allocator, loader start-up, autotuning) and is always samples per second.
+
+    split = throughput_split(spec, steps=20, read_ms=1.0)   # {"data": .., "compute": .., "full": ..}
+
+`read_ms` stands in for storage: each sample costs that many milliseconds of waiting, as a read from a shared
+file system does. Waiting (not computing) is what makes loader workers pay off even on a 2-core laptop.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..data.loader import build_loader
+from ._common import autocast_for, build_workload, sync, train_step
+
+MODES = ("data", "compute", "full")
+
+
+class SlowReads(torch.utils.data.Dataset):
+    """A dataset whose every sample takes `read_ms` to arrive, like a read from a busy parallel file system."""
+
+    def __init__(self, base, read_ms: float):
+        self.base, self.read_ms = base, float(read_ms)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if self.read_ms > 0:
+            time.sleep(self.read_ms / 1000)
+        return self.base[i]
+
+
+def _batches(spec, dataset, device):
+    """Batches forever from the engine's loader (one rank of one), moved to the device."""
+    loader = build_loader(dataset, spec.data, spec.optim.batch_per_worker, 0, 1, spec.seed)
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        epoch += 1
+
+
+def measure(spec, mode: str = "full", steps: int = 20, warmup: int = 3, read_ms: float = 0.0,
+            compile_backend: str | None = None) -> dict:
+    """Samples/s of one of: `data` (loader only), `compute` (a fixed synthetic batch), `full` (both, in turn)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} must be one of {', '.join(MODES)}")
+    spec.validate()
+    wl = build_workload(spec)
+    model = torch.compile(wl.model, backend=compile_backend) if compile_backend else wl.model
+    autocast = autocast_for(spec.precision, wl.device)
+    batch = spec.optim.batch_per_worker
+    batches = None
+    if mode != "compute":
+        batches = _batches(spec, SlowReads(wl.dataset, read_ms), wl.device)
+    else:  # synthetic input already on the device: no loader, no copy, just the model
+        g = torch.Generator().manual_seed(spec.seed)
+        fixed = (torch.randn(batch, *wl.sample_shape, generator=g).to(wl.device),
+                 torch.randint(0, wl.classes, (batch,), generator=g).to(wl.device))
+    loss = float("nan")
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync(wl.device)
+            start = time.perf_counter()
+        x, y = fixed if batches is None else next(batches)
+        if mode != "data":
+            loss = train_step(model, wl.optimizer, x, y, autocast)
+    sync(wl.device)
+    elapsed = time.perf_counter() - start
+    if batches is not None:
+        batches.close()  # ends the loader's worker processes now, not at garbage collection
+    return {"mode": mode, "samples_per_s": steps * batch / elapsed, "step_ms": 1000 * elapsed / steps,
+            "loss": loss, "batch": batch, "steps": steps, "device": str(wl.device), "read_ms": read_ms}
+
+
+def throughput_split(spec, steps: int = 20, read_ms: float = 0.0, warmup: int = 3) -> dict:
+    """Samples/s for data only, compute only and the full step: the slower of the first two is the bottleneck."""
+    return {mode: measure(spec, mode, steps, warmup, read_ms)["samples_per_s"] for mode in MODES}
+
+
+def loader_sweep(spec, workers=(0, 1, 2, 4), steps: int = 20, read_ms: float = 1.0, warmup: int = 3) -> list[dict]:
+    """Full-step samples/s with each number of DataLoader worker processes."""
+    rows = []
+    for w in workers:
+        s = spec.with_overrides({"data.loader_workers": int(w)})
+        rows.append({"workers": int(w), "samples_per_s": measure(s, "full", steps, warmup, read_ms)["samples_per_s"]})
+    return rows
+
+
+def precision_compare(spec, precisions=("fp32", "bf16"), steps: int = 20, warmup: int = 3) -> list[dict]:
+    """Compute-only samples/s and the loss reached on the same batch from the same start, per precision."""
+    rows = [dict(precision=p, **_pick(measure(spec.replace(precision=p), "compute", steps, warmup),
+                                      "samples_per_s", "loss")) for p in precisions]
+    ref = rows[0]
+    for r in rows:
+        r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
+        r["loss_diff"] = abs(r["loss"] - ref["loss"])
+    return rows
+
+
+def _pick(d: dict, *keys) -> dict:
+    return {k: d[k] for k in keys}
+
+
+def try_compile(spec, backend: str = "inductor", steps: int = 20, warmup: int = 3) -> dict:
+    """torch.compile on the compute-only step: compile time, speedup over eager, or the error where it fails."""
+    out = {"backend": backend, "ok": False, "error": None, "compile_s": None, "speedup": None,
+           "eager_samples_per_s": measure(spec, "compute", steps, warmup)["samples_per_s"]}
+    try:
+        first = measure(spec, "compute", 1, 0, compile_backend=backend)  # the first step compiles
+        out["compile_s"] = first["step_ms"] / 1000
+        compiled = measure(spec, "compute", steps, warmup, compile_backend=backend)
+    except Exception as e:  # noqa: BLE001 - "where it works": a missing compiler is a result, not a crash
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        return out
+    out.update(ok=True, compiled_samples_per_s=compiled["samples_per_s"],
+               speedup=compiled["samples_per_s"] / out["eager_samples_per_s"])
+    return out
+
+
+def profile_steps(spec, trace_path: str | Path, steps: int = 5, warmup: int = 2, read_ms: float = 0.0,
+                  top: int = 12) -> dict:
+    """Profile full steps with torch.profiler; save a Chrome trace; return the top ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+    wl = build_workload(spec)
+    autocast = autocast_for(spec.precision, wl.device)
+    batches = _batches(spec, SlowReads(wl.dataset, read_ms), wl.device)
+    for _ in range(warmup):
+        train_step(wl.model, wl.optimizer, *next(batches), autocast)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if wl.device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        for _ in range(steps):
+            train_step(wl.model, wl.optimizer, *next(batches), autocast)
+        sync(wl.device)
+    batches.close()
+    trace_path = Path(trace_path)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace_path))
+    ops = [{"name": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000,
+            "total_ms": e.cpu_time_total / 1000} for e in prof.key_averages()]
+    ops.sort(key=lambda r: -r["self_ms"])
+    return {"trace_path": str(trace_path), "trace_events": len(json.loads(trace_path.read_text())["traceEvents"]),
+            "self_ms_total": sum(r["self_ms"] for r in ops), "ops": ops[:top], "steps": steps}
+
+
+def ladder(spec, rungs: list[tuple[str, dict]], steps: int = 20, read_ms: float = 1.0, warmup: int = 3) -> list[dict]:
+    """Full-step samples/s as changes pile up: rung i applies its overrides on top of rungs 0..i-1.
+
+    A rung is (name, {"data.loader_workers": 2, ...}); the key "compile" (a torch.compile backend) is not a
+    RunSpec field and is handled here. `speedup` is against the first rung, `gain` against the previous one.
+    """
+    rows, changes, backend = [], {}, None
+    for name, step in rungs:
+        step = dict(step)
+        backend = step.pop("compile", backend)
+        changes.update(step)
+        s = spec.with_overrides(changes)
+        sps = measure(s, "full", steps, warmup, read_ms, compile_backend=backend)["samples_per_s"]
+        base = rows[0]["samples_per_s"] if rows else sps
+        prev = rows[-1]["samples_per_s"] if rows else sps
+        rows.append({"name": name, "samples_per_s": sps, "speedup": sps / base, "gain": sps / prev,
+                     "changes": {**changes, **({"compile": backend} if backend else {})}})
+    return rows

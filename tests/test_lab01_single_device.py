@@ -1,0 +1,72 @@
+"""Lab 01 (single-device performance) runs under papermill at its grading parameters and grades 100 %;
+its student copy stops at the first exercise and grades below 100 %; forged records fail the checks."""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+
+from scalelab.grade.execute import execute_notebook
+from scalelab.testing import execute_lab
+
+from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+
+LAB = ROOT / "labs" / "01_single_device"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
+    start = time.monotonic()
+    result = execute_lab(LAB, grading_parameters(LAB), output_dir=tmp_path_factory.mktemp("lab01"),
+                         cell_timeout=120, total_timeout=240)
+    return result.records, time.monotonic() - start
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    records, seconds = reference
+    points, most, results = grade(LAB, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < 120, f"lab 01 took {seconds:.0f} s under papermill; the budget is 120 s"
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    records, _ = reference
+    split = records["split"]
+    assert records["bottleneck"] == "data" and split["data"] < split["compute"]  # read_ms makes it storage-bound
+    sweep = {r["workers"]: r["samples_per_s"] for r in records["loader_sweep"]}
+    assert max(sweep.values()) > 1.5 * sweep[0]
+    assert records["compile"]["backend"] == "aot_eager" and records["compile"]["ok"]
+
+
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    assert not (copy_dir / "hidden_checks.py").exists()
+    params = {**grading_parameters(LAB), "steps": 5}  # it stops at exercise 1: keep what runs before it short
+    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
+                              cell_timeout=120, total_timeout=240)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "predicted_full_sps" not in result.records and "split" in result.records
+    points, most, _ = grade(LAB, result.records)
+    assert points < 0.3 * most
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r.update(predicted_full_sps=r["split"]["full"]), "prediction_is_the_serial_formula"),
+    (lambda r: r.update(predicted_full_sps=r["split"]["data"] + r["split"]["compute"]), "full_step_predicted"),
+    (lambda r: r.update(bottleneck="compute"), "bottleneck_named"),
+    (lambda r: r.update(chosen_workers=max(x["workers"] for x in r["loader_sweep"]) + 1), "workers_chosen"),
+    (lambda r: r.update(conv_fraction=r["conv_fraction"] * 0.9), "conv_fraction_follows_the_profile"),
+    (lambda r: r["ladder"][-1].update(speedup=r["ladder"][-1]["speedup"] * 2), "ladder_is_consistent"),
+    (lambda r: r["split"].update(full=10 * r["split"]["data"]), "full_step_cannot_beat_its_slowest_stage"),
+    (lambda r: r.pop("profile"), "profile_saved"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    records = copy.deepcopy(reference[0])
+    forge(records)
+    _, _, results = grade(LAB, records)
+    outcome = {r.name: r.outcome for r in results}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"

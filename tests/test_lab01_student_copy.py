@@ -1,0 +1,113 @@
+"""Student copies of the labs, built the way `scalelab labs release` builds them, and grading helpers.
+
+The lab tests (test_lab0N_*.py) import `student_copy`, `grade` and `grading_parameters` from here. The tests in
+this file check the labs' exercise markers themselves: balanced, and every exercise followed by a record().
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scalelab.grade.checks import lab_checks, run_checks
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS = sorted(p for p in (ROOT / "labs").glob("0[1-4]_*") if (p / "lab.ipynb").exists())
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+
+
+def student_source(source: str) -> str:
+    """A cell's source with each solution block (markers included) replaced by the exercise stub."""
+    out, inside = [], False
+    for line in source.splitlines(keepends=True):
+        text = line.strip()
+        if text == BEGIN:
+            assert not inside, "nested BEGIN SOLUTION"
+            indent = line[: len(line) - len(line.lstrip())]
+            out += [f"{indent}# YOUR CODE HERE\n", f'{indent}raise NotImplementedError("exercise")\n']
+            inside = True
+        elif text == END:
+            assert inside, "END SOLUTION without BEGIN"
+            inside = False
+        elif not inside:
+            out.append(line)
+    assert not inside, "BEGIN SOLUTION without END"
+    return "".join(out)
+
+
+def student_copy(lab_dir: Path, dest: Path) -> Path:
+    """Copy a lab without hidden checks and with its solutions removed; returns the copy's folder."""
+    dest = Path(dest) / lab_dir.name
+    shutil.copytree(lab_dir, dest, ignore=shutil.ignore_patterns("hidden_checks.py", "runs", "__pycache__"))
+    nb = json.loads((lab_dir / "lab.ipynb").read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["source"] = student_source("".join(cell["source"]))
+    (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
+    return dest
+
+
+def grading_parameters(lab_dir: Path) -> dict:
+    """The small CPU parameters lab.yaml gives for CI and grading."""
+    return yaml.safe_load((lab_dir / "lab.yaml").read_text())["grading"]["parameters"]
+
+
+def grade(lab_dir: Path, records: dict) -> tuple[float, float, list]:
+    """(points, max points, results) of the lab's public and hidden checks on `records`."""
+    results = run_checks(lab_checks(lab_dir), records)
+    return sum(r.points for r in results), sum(r.max_points for r in results), results
+
+
+def failures(results) -> list[str]:
+    """Readable lines for every check that did not fully pass."""
+    return [f"{r.name}: {r.outcome} {r.points}/{r.max_points} {r.message}" for r in results if r.outcome != "pass"]
+
+
+def _code_cells(lab_dir: Path) -> list[str]:
+    nb = json.loads((lab_dir / "lab.ipynb").read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+# -- the helper itself -----------------------------------------------------------------------------------
+def test_student_source_replaces_blocks_and_keeps_setup_code():
+    src = "x = 1\n# BEGIN SOLUTION\ny = 2\n# END SOLUTION\nrecord('y', y)\n"
+    assert student_source(src) == "x = 1\n# YOUR CODE HERE\nraise NotImplementedError(\"exercise\")\nrecord('y', y)\n"
+    indented = "def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n"
+    assert student_source(indented) == "def f():\n    # YOUR CODE HERE\n    raise NotImplementedError(\"exercise\")\n"
+    with pytest.raises(AssertionError):
+        student_source("# BEGIN SOLUTION\nx = 1\n")
+
+
+# -- every lab's notebook follows the conventions ---------------------------------------------------------
+@pytest.mark.parametrize("lab_dir", LABS, ids=[p.name for p in LABS])
+def test_lab_follows_the_conventions(lab_dir):
+    nb = json.loads((lab_dir / "lab.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert "parameters" in code[0].get("metadata", {}).get("tags", []), "first code cell must be tagged parameters"
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), "commit without outputs"
+    params = "".join(code[0]["source"]).splitlines()
+    assert any(line.startswith("out_dir = ") for line in params), "an out_dir parameter is required"
+    for line in params:
+        assert re.match(r"^\w+ = .+  # \S", line), f"parameter line needs `name = value  # comment`: {line!r}"
+    meta = yaml.safe_load((lab_dir / "lab.yaml").read_text())
+    assert {"title", "minutes", "goals", "grading"} <= set(meta)
+    assert {"parameters", "cell_timeout_s", "total_timeout_s"} <= set(meta["grading"])
+    names = {line.split(" = ")[0] for line in params}
+    assert set(meta["grading"]["parameters"]) <= names, "grading parameters must exist in the parameters cell"
+    assert (lab_dir / "checks.py").exists() and (lab_dir / "hidden_checks.py").exists()
+
+
+@pytest.mark.parametrize("lab_dir", LABS, ids=[p.name for p in LABS])
+def test_every_exercise_is_recorded_after_its_solution(lab_dir):
+    cells = _code_cells(lab_dir)
+    exercises = [i for i, src in enumerate(cells) if BEGIN in src]
+    assert exercises, "a lab needs at least one exercise"
+    for i in exercises:
+        after = cells[i].split(END, 1)[1] + "".join(cells[i + 1:])
+        assert "record(" in after, f"code cell {i}: nothing is recorded after the solution block"
+    # the student copy keeps every cell, only the solution lines change
+    assert len([student_source(s) for s in cells]) == len(cells)
