@@ -1,0 +1,190 @@
+"""`scalelab grade` on real kernels: one batch (-j 2) of fixture submissions, one behaviour each.
+
+The whole batch runs once (through the CLI, --json) and every test reads its part: each submission must get its
+own right score and message *although* it shares the batch with an infinite loop, a dead kernel, a huge
+output and a hostile notebook — that is the isolation the grader promises. Fixture lab: 8 points (public
+mean_is_right 2 + loss_is_small 2; hidden loss_matches_the_run 3 + w_is_the_mean 1).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from scalelab.cli import main
+from scalelab.grade.release import release_lab
+from scalelab.grade.sandbox import UID_RANGE
+from scalelab.record import read_records
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
+import make_fixtures  # noqa: E402
+
+pytestmark = pytest.mark.slow
+FIX = Path(__file__).parent / "fixtures" / "grading"
+LAB = FIX / "labs" / "90_fixture"
+HIDDEN_SOURCE_BITS = (make_fixtures.SECRET, "math.isclose", "_expected_mean", "abs_tol")
+
+
+def _sandbox_uids() -> set[int]:
+    found = set()
+    for p in psutil.process_iter(["uids"]):
+        found.update(u for u in (p.info["uids"] or []) if UID_RANGE[0] <= u < UID_RANGE[1])
+    return found
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """Grade every fixture submission plus the released student copy and a network probe, -j 2."""
+    tmp = tmp_path_factory.mktemp("batch")
+    extra = tmp / "extra"
+    extra.mkdir()
+    release_lab(LAB, tmp / "student" / "90_fixture")
+    shutil.copyfile(tmp / "student" / "90_fixture" / "lab.ipynb", extra / "student_copy.ipynb")
+    subs = sorted(str(p) for p in (FIX / "submissions").glob("*.ipynb"))
+    with socket.socket() as server:  # a port on the host that a submission must not reach
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        (extra / "network.ipynb").write_text(json.dumps(make_fixtures.network_probe(server.getsockname()[1])))
+        out, stdout = tmp / "grades", io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = main(["grade", str(LAB), *subs, str(extra / "student_copy.ipynb"), str(extra / "network.ipynb"),
+                         "-j", "2", "--out", str(out), "--json"])
+    data = json.loads(stdout.getvalue())
+    return {"code": code, "out": out, "data": data, "uids_after": _sandbox_uids(),
+            "by": {r["student"]: r for r in data["results"]}}
+
+
+def _checks(result) -> dict:
+    return {c["name"]: c for c in result["checks"]}
+
+
+def test_every_submission_is_graded_and_the_cli_succeeds(batch):
+    assert batch["code"] == 0
+    assert sorted(batch["by"]) == sorted(["correct", "wrong_answer", "missing_record", "infinite_loop", "os_exit",
+                                          "reads_hidden", "forged_record", "huge_output", "stderr_output",
+                                          "malformed", "student_copy", "network"])
+    assert all(r["max_score"] == 8 for r in batch["data"]["results"])
+
+
+def test_correct_submission_gets_full_marks_beside_every_kind_of_failure(batch):
+    r = batch["by"]["correct"]
+    assert (r["status"], r["score"], r["percent"]) == ("ok", 8, 100)
+    assert r["message"] == "the notebook ran to the end"
+    assert r["sandbox"]["user"] == "own uid" and r["sandbox"]["network"].startswith("isolated")
+
+
+def test_wrong_answer_gets_partial_credit_with_the_checks_messages(batch):
+    r = batch["by"]["wrong_answer"]
+    checks = _checks(r)
+    assert r["status"] == "ok" and r["score"] == 6
+    assert (checks["mean_is_right"]["outcome"], checks["mean_is_right"]["points"]) == ("partial", 1)
+    assert "check the divisor" in checks["mean_is_right"]["message"]
+    assert checks["w_is_the_mean"]["outcome"] == "fail" and checks["w_is_the_mean"]["hidden"] is True
+    assert checks["w_is_the_mean"]["message"] == "w did not converge to the mean of the data"
+
+
+def test_missing_record_is_its_own_outcome_naming_the_record(batch):
+    r = batch["by"]["missing_record"]
+    w = _checks(r)["w_is_the_mean"]
+    assert r["score"] == 7 and w["outcome"] == "missing" and "'w'" in w["message"]
+
+
+def test_infinite_loop_is_a_cell_timeout_naming_the_cell(batch):
+    r = batch["by"]["infinite_loop"]
+    assert r["status"] == "cell_timeout"
+    assert r["execution"]["cell_tags"] == ["exercise-2"] and r["execution"]["cell_index"] == 4
+    assert "per-cell limit of 10 s" in r["message"] and "exercise-2" in r["message"]
+    assert r["score"] == 2  # exercise 1 ran before the loop: its check still counts
+    assert "the run stopped early: cell timeout" in _checks(r)["loss_is_small"]["message"]
+
+
+def test_os_exit_is_a_dead_kernel_naming_the_cell(batch):
+    r = batch["by"]["os_exit"]
+    assert r["status"] == "dead_kernel" and r["execution"]["cell_tags"] == ["exercise-2"]
+    assert "kernel died in cell 4" in r["message"] and r["score"] == 2
+
+
+def test_reading_the_hidden_checks_finds_nothing_and_costs_nothing(batch):
+    r = batch["by"]["reads_hidden"]
+    assert (r["status"], r["score"]) == ("ok", 8)
+    records = read_records(batch["out"] / r["notebook"])
+    assert records["tried"] >= 5  # it did try the reference lab, ../, /proc/1/root, ...
+    assert records["leaked"] == [] and records["git_visible"] is False
+
+
+def test_hidden_checks_source_appears_nowhere_in_the_reports(batch):
+    for path in batch["out"].rglob("*"):
+        if path.is_file() and "instructor" not in path.parts:
+            text = path.read_text(errors="replace")
+            for bit in HIDDEN_SOURCE_BITS:
+                assert bit not in text, f"{bit!r} from hidden_checks.py leaked into {path}"
+
+
+def test_forged_record_is_caught_by_the_hidden_evidence_check(batch):
+    r = batch["by"]["forged_record"]
+    checks = _checks(r)
+    assert checks["loss_is_small"]["outcome"] == "pass"  # the public check alone is fooled by the forged value
+    assert checks["loss_matches_the_run"]["outcome"] == "fail"
+    assert "is not what the run's event files show" in checks["loss_matches_the_run"]["message"]
+    assert checks["w_is_the_mean"]["outcome"] == "pass"  # the documented limit: a bare forged value passes
+    assert r["score"] == 5
+
+
+def test_malformed_json_is_reported_and_scores_zero(batch):
+    r = batch["by"]["malformed"]
+    assert r["status"] == "malformed" and r["score"] == 0
+    assert "not valid JSON" in r["message"] and "/" not in r["message"].split("run: ")[-1]
+    assert all(c["outcome"] == "missing" for c in r["checks"])
+
+
+def test_huge_output_is_capped_in_what_is_stored_and_shown(batch):
+    r = batch["by"]["huge_output"]
+    assert (r["status"], r["score"]) == ("ok", 8)
+    stored = batch["out"] / r["notebook"]
+    assert stored.stat().st_size < 200_000  # the run printed 3 MB
+    assert "characters cut by the grader" in stored.read_text()
+    assert (batch["out"] / "feedback" / "huge_output.html").stat().st_size < 50_000
+
+
+def test_stderr_output_never_costs_points(batch):
+    r = batch["by"]["stderr_output"]
+    assert (r["status"], r["score"]) == ("ok", 8)
+    assert "a warning on stderr" in (batch["out"] / r["notebook"]).read_text()
+
+
+def test_released_student_copy_is_a_cell_error_below_full_marks(batch):
+    r = batch["by"]["student_copy"]
+    assert r["status"] == "cell_error" and r["execution"]["ename"] == "NotImplementedError"
+    assert r["execution"]["cell_tags"] == ["exercise-1"]
+    assert "cell 3 (tagged exercise-1) raised NotImplementedError: exercise" == r["message"]
+    assert r["score"] < 8 and "NotImplementedError" in r["execution"]["traceback"]
+
+
+def test_submissions_cannot_reach_a_port_on_the_host(batch):
+    r = batch["by"]["network"]
+    assert read_records(batch["out"] / r["notebook"])["connected"] is False
+
+
+def test_reports_gradebook_and_feedback(batch):
+    out = batch["out"]
+    rows = (out / "gradebook.csv").read_text().splitlines()
+    assert rows[0].startswith("student,percent,score,max_score,status,message,mean_is_right,loss_is_small,"
+                              "loss_matches_the_run (hidden),w_is_the_mean (hidden)")
+    assert len(rows) == 1 + 12 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
+    page = (out / "feedback" / "wrong_answer.html").read_text()
+    assert "6 / 8 (75 %)" in page and "w did not converge" in page and "(hidden check)" in page
+    assert json.loads((out / "results" / "forged_record.json").read_text())["score"] == 5
+    assert oct(out.stat().st_mode & 0o777) == ("0o700" if os.geteuid() == 0 else oct(out.stat().st_mode & 0o777))
+
+
+def test_no_process_of_any_submission_survives_the_batch(batch):
+    assert batch["uids_after"] == set()
+    assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
