@@ -28,7 +28,8 @@ LAUNCHERS = ("local", "torchrun", "slurm", "horovodrun", "mpirun")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 LR_SCALING = ("none", "linear", "sqrt")
 PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINT_MODES = ("sync",)
+CHECKPOINT_MODES = ("sync", "async", "sharded")
+DATA_FORMATS = ("memory", "files", "shards", "hdf5")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
 _WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
@@ -67,6 +68,17 @@ class DataSpec:
     """Batches each loader worker keeps ready (only with loader_workers > 0)."""
     pin_memory: bool = False
     """Page-locked host buffers for faster copies to a GPU."""
+    format: str = "memory"
+    """memory (arrays in RAM), or written once under output_dir/data and read back: files (one per sample),
+    shards (packed, indexed) or hdf5."""
+    samples_per_shard: int = 256
+    """Samples per packed shard file (format shards)."""
+    compress: bool = False
+    """zlib-compress each sample inside the shards (format shards)."""
+    open_latency_ms: float = 0.0
+    """Simulated parallel-file-system latency per file open, in ms (formats on disk; 0: none)."""
+    read_mb_per_s: float = 0.0
+    """Simulated read bandwidth cap per rank in MB/s (formats on disk; 0: none)."""
 
 
 @dataclass
@@ -112,9 +124,13 @@ class CheckpointSpec:
     every_steps: int = 0
     """Save every N steps (0: never)."""
     mode: str = "sync"
-    """sync: rank 0 writes atomically (temp file, fsync, rename)."""
+    """sync: rank 0 writes atomically (temp file, fsync, rename) while all wait; async: rank 0 snapshots to
+    host memory and writes in the background; sharded: every rank writes its part (torch.distributed.checkpoint,
+    asynchronously)."""
     keep_last: int = 2
-    """Checkpoints kept; older ones are deleted."""
+    """Newest checkpoints kept; older ones are deleted (unless kept as best)."""
+    keep_best: int = 0
+    """Also keep this many checkpoints with the lowest training loss."""
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir if there is one."""
 

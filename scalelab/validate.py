@@ -44,6 +44,13 @@ def _non_negative_float(v):
         return "must be a finite number >= 0"
 
 
+def _bounded_float(low, high):
+    def check(v):
+        if not math.isfinite(v) or not low <= v <= high:
+            return f"must be a number from {low:g} to {high:g}"
+    return check
+
+
 def _regex(pattern, what):
     def check(v):
         if not pattern.match(v):
@@ -65,6 +72,11 @@ RULES = {
     "data.loader_workers": (int, _int_at_least(0, 64)),
     "data.prefetch_factor": (int, _int_at_least(1, 64)),
     "data.pin_memory": (bool, None),
+    "data.format": (str, _choice(S.DATA_FORMATS)),
+    "data.samples_per_shard": (int, _int_at_least(1, 1_000_000)),
+    "data.compress": (bool, None),
+    "data.open_latency_ms": (float, _bounded_float(0.0, 10_000.0)),
+    "data.read_mb_per_s": (float, _bounded_float(0.0, 1e6)),
     "strategy": (str, _choice(S.STRATEGIES)),
     "backend": (str, _choice(S.BACKENDS)),
     "device": (str, _choice(S.DEVICES)),
@@ -85,6 +97,7 @@ RULES = {
     "checkpoint.every_steps": (int, _int_at_least(0)),
     "checkpoint.mode": (str, _choice(S.CHECKPOINT_MODES)),
     "checkpoint.keep_last": (int, _int_at_least(1, 1000)),
+    "checkpoint.keep_best": (int, _int_at_least(0, 1000)),
     "checkpoint.resume": (bool, None),
     "slurm.partition": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
     "slurm.account": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
@@ -196,5 +209,14 @@ def _cross_checks(spec) -> None:
         raise SpecError("data.samples", f"got {spec.data.samples}, fewer than one global batch "
                                         f"({spec.global_batch} = batch_per_worker x grad_accum x world size); "
                                         "raise data.samples or lower optim.batch_per_worker")
+    if spec.data.compress and spec.data.format != "shards":
+        raise SpecError("data.compress", f"is only used with data.format=shards, not {spec.data.format!r}: set "
+                                         "data.format=shards or data.compress=false")
+    if spec.data.format == "memory" and (spec.data.open_latency_ms or spec.data.read_mb_per_s):
+        raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
+                                       "system: set data.format to files, shards or hdf5")
+    if spec.checkpoint.mode == "sharded" and spec.strategy != "ddp":
+        raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
+                                           "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != S.DataSpec.classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")

@@ -65,11 +65,13 @@ def test_a_wrong_type_names_the_field(key):
 _OUT_OF_RANGE = {
     "name": "bad name!", "model.name": "resnet", "model.width": 0, "model.depth": 0, "data.source": "imagenet",
     "data.samples": 1, "data.size": 2, "data.classes": 1, "data.loader_workers": -1, "data.prefetch_factor": 0,
+    "data.format": "tfrecord", "data.samples_per_shard": 0, "data.open_latency_ms": -1.0,
+    "data.read_mb_per_s": float("inf"),
     "strategy": "fsdp9", "backend": "nvlink", "device": "tpu", "world.workers_per_node": 0, "world.nodes": 0,
     "world.threads_per_worker": -1, "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
     "optim.lr": 0.0, "optim.lr_scaling": "cubic", "optim.base_batch": 0, "optim.warmup_steps": -1,
     "optim.momentum": 1.0, "optim.weight_decay": -0.1, "optim.grad_accum": 0, "precision": "fp8",
-    "checkpoint.every_steps": -1, "checkpoint.mode": "magic", "checkpoint.keep_last": 0,
+    "checkpoint.every_steps": -1, "checkpoint.mode": "magic", "checkpoint.keep_last": 0, "checkpoint.keep_best": -1,
     "slurm.partition": "gpu\n#SBATCH --exclusive", "slurm.account": "a b", "slurm.reservation": "r;rm -rf /",
     "slurm.time": "forever", "slurm.gpus_per_node": -1, "slurm.cpus_per_task": 0, "slurm.mem": "lots",
     "fault.kind": "meteor", "fault.rank": -1, "fault.step": -1, "steps": 0, "epochs": -1, "seed": -5,
@@ -88,7 +90,7 @@ def test_a_value_out_of_range_names_the_field_and_the_value(key):
 
 
 def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
-    free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume"}
+    free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress"}
     assert set(RULES) - free_text == set(_OUT_OF_RANGE)
 
 
@@ -110,6 +112,9 @@ def test_a_choice_error_lists_what_is_allowed():
     ({"data.source": "path", "data.path": "x.csv"}, "data.path", ".npz"),
     ({"fault.kind": "raise", "fault.rank": 3}, "fault.rank", "the run has 1 ranks"),
     ({"model.name": "transformer", "data.size": 18}, "data.size", "multiple of 4"),
+    ({"data.compress": True, "data.format": "files"}, "data.compress", "data.format=shards"),
+    ({"data.open_latency_ms": 5.0}, "data.format", "files, shards or hdf5"),
+    ({"checkpoint.mode": "sharded", "strategy": "horovod", "launcher": "horovodrun"}, "checkpoint.mode", "ddp"),
 ])
 def test_cross_field_errors_name_the_option_to_change(changes, field, words):
     with pytest.raises(SpecError) as err:

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..ckpt import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..ckpt import build_checkpointer
 from ..data import build_dataset, build_loader
+from ..data.batches import resumable_batches
 from ..data.loader import build_eval_set
+from ..data.stored import training_dataset
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
 from .strategies import build_strategy, pick_device
@@ -41,18 +43,20 @@ def train(spec, info, events) -> dict:
     optimizer = build_optimizer(spec.optim, model.parameters(), peak_lr)
     scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
 
+    checkpointer = build_checkpointer(spec.checkpoint, run_dir / "checkpoints", info.rank, info.world_size)
     start_step, resumed_from = 0, None
-    if spec.checkpoint.resume and (found := latest_checkpoint(run_dir / "checkpoints")):
-        start_step = load_checkpoint(found, model, optimizer)
+    if spec.checkpoint.resume and (found := checkpointer.latest()):
+        start_step = checkpointer.restore(model, optimizer, found)
         resumed_from = str(found)
     raw_model = model
     model, optimizer = strategy.wrap(model, optimizer)
 
     accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
-    loader = build_loader(dataset, spec.data, batch, info.rank, info.world_size, spec.seed)
+    train_set = training_dataset(dataset, spec.data, run_dir / "data", spec.seed)  # on disk unless format=memory
+    loader = build_loader(train_set, spec.data, batch, info.rank, info.world_size, spec.seed)
     steps_per_epoch = len(loader) // accum
     total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
-    batches = _batches(loader, start_step * accum, device)
+    batches = resumable_batches(loader, start_step * accum, device)
     autocast = _autocast(spec.precision, device)
 
     events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
@@ -91,8 +95,10 @@ def train(spec, info, events) -> dict:
                         data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
                         samples_per_s=batch * accum / step_s)
         if spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps:
-            _checkpoint(spec, info, strategy, raw_model, optimizer, done, events)
+            _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)
+        _report_flushes(checkpointer.completed(), events)
 
+    _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
     final_loss = strategy.mean(loss_value)
     accuracy = _evaluate(raw_model, spec, info, device, autocast, strategy)
     if info.is_main:
@@ -105,20 +111,6 @@ def train(spec, info, events) -> dict:
     return end
 
 
-def _batches(loader, skip: int, device):
-    """Batches forever, epoch after epoch (sampler reseeded per epoch); the first `skip` are dropped (resume)."""
-    per_epoch = len(loader)
-    epoch, skip_now = divmod(skip, per_epoch)
-    while True:
-        loader.sampler.set_epoch(epoch)
-        for i, (x, y) in enumerate(loader):
-            if i < skip_now:
-                continue
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        skip_now = 0
-        epoch += 1
-
-
 def _autocast(precision: str, device):
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -126,14 +118,20 @@ def _autocast(precision: str, device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _checkpoint(spec, info, strategy, model, optimizer, step, events):
+def _checkpoint(checkpointer, strategy, model, optimizer, step, loss, events):
+    """Save through the spec's checkpointer; blocked_s is what training lost to it (the stall)."""
     t0 = time.perf_counter()
-    path = None
-    if info.is_main:
-        path = save_checkpoint(Path(spec.output_dir) / "checkpoints", step, model, optimizer,
-                               keep_last=spec.checkpoint.keep_last)
-    strategy.barrier()  # nobody runs ahead of a checkpoint that is not complete yet
-    events.emit("checkpoint", step=step, path=str(path) if path else None, blocked_s=time.perf_counter() - t0)
+    metric = strategy.mean(loss)  # keep-best judges the loss of all ranks, not rank 0's share
+    saved = checkpointer.save(step, model, optimizer, metric=metric)
+    if checkpointer.needs_barrier:
+        strategy.barrier()  # sync: nobody runs ahead of a checkpoint that is not complete yet
+    events.emit("checkpoint", **{**saved, "mode": checkpointer.mode, "blocked_s": time.perf_counter() - t0})
+
+
+def _report_flushes(done: list[dict], events) -> None:
+    """One event per checkpoint that became complete on disk (for async modes, long after its save call)."""
+    for d in done:
+        events.emit("checkpoint_done", **d)
 
 
 @torch.no_grad()
