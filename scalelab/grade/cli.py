@@ -91,7 +91,7 @@ def grade_command(args) -> int:
 
 
 def _table(batch) -> None:
-    width = max(7, *(len(r.student) for r in batch.results))
+    width = max([7, *(len(r.student) for r in batch.results)])
     print(f"{'student':<{width}}  {'score':>9}  {'%':>6}  {'status':<12}  message")
     for r in batch.results:
         score = f"{r.score:g}/{r.max_score:g}"

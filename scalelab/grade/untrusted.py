@@ -34,7 +34,10 @@ def read_beneath(base: str | Path, relpath: str | Path, max_bytes: int) -> bytes
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for part in parts[:-1]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:  # a link (ENOTDIR/ELOOP), or missing
+                raise UntrustedFileError(f"{relpath}: {part}: {e.strerror}") from None
             os.close(fd)
             fd = nxt
         try:

@@ -1,0 +1,223 @@
+"""Grader parts without a kernel: lab settings, submissions, untrusted reading, evidence, reports, CLI wiring."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from scalelab.cli import main
+from scalelab.events import EventWriter
+from scalelab.grade import grader
+from scalelab.grade.checks import CheckResult, evidence, lab_checks
+from scalelab.grade.evidence import RUNS, WORKDIR, run_evidence, strip_grader_records
+from scalelab.grade.grader import GradeOptions, SubmissionResult, collect_submissions, grade
+from scalelab.grade.lab import GradingError, load_lab, parameter_defaults, student_files
+from scalelab.grade.report import feedback_html, result_to_dict, write_gradebook, write_submission
+from scalelab.grade.untrusted import (UntrustedFileError, cap_notebook, cap_text, load_json_beneath, read_beneath,
+                                      tolerant_records)
+from scalelab.record import MIME
+
+LAB = Path(__file__).parent / "fixtures" / "grading" / "labs" / "90_fixture"
+
+
+# -- lab settings ------------------------------------------------------------------------------------------------
+
+def test_lab_yaml_grading_settings_are_read():
+    lab = load_lab(LAB)
+    assert lab.name == "90_fixture" and lab.title == "Fixture lab for grading tests" and lab.has_hidden_checks
+    g = lab.grading
+    assert (g.parameters, g.cell_timeout_s, g.total_timeout_s, g.memory_mb) == ({"n": 500, "steps": 25}, 10, 90, 3072)
+
+
+@pytest.mark.parametrize("yaml_text, problem", [
+    ("grading: {cell_timeout: 3}", r"unknown grading field\(s\) \['cell_timeout'\]"),
+    ("grading: {total_timeout_s: -1}", "total_timeout_s must be a number of seconds > 0, got -1"),
+    ("grading: {memory_mb: 10}", "memory_mb must be an integer >= 64"),
+    ("grading: [1]", "'grading' must be a mapping"),
+    ("title: [unclosed", "not valid YAML"),
+])
+def test_bad_lab_yaml_names_the_field(tmp_path, yaml_text, problem):
+    (tmp_path / "lab.ipynb").write_text("{}")
+    (tmp_path / "lab.yaml").write_text(yaml_text)
+    with pytest.raises(GradingError, match=problem):
+        load_lab(tmp_path)
+
+
+def test_parameter_defaults_and_the_files_a_student_gets(tmp_path):
+    assert parameter_defaults(LAB / "lab.ipynb") == {"n": 1000, "steps": 20, "lr": 0.3, "seed": 0, "out_dir": "out"}
+    assert [p.as_posix() for p in student_files(LAB)] == ["README.md", "checks.py", "lab.ipynb", "lab.yaml"]
+
+
+# -- submissions -------------------------------------------------------------------------------------------------
+
+def test_student_names_come_from_file_or_folder_and_must_be_unique(tmp_path):
+    (tmp_path / "bob").mkdir()
+    subs = collect_submissions([tmp_path / "alice.ipynb", tmp_path / "bob", tmp_path / "c d" / "lab.ipynb"])
+    assert [(s.student, s.path.name) for s in subs] == [("alice", "alice.ipynb"), ("bob", "lab.ipynb"),
+                                                         ("c_d", "lab.ipynb")]
+    with pytest.raises(GradingError, match="two submissions for student 'alice'"):
+        collect_submissions([tmp_path / "alice.ipynb", tmp_path / "alice" / "lab.ipynb"])
+
+
+# -- reading untrusted output ------------------------------------------------------------------------------------
+
+def test_read_beneath_refuses_links_non_files_and_big_files(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "nb.ipynb").write_text('{"a": 1}')
+    (tmp_path / "secret").write_text("root only")
+    os.symlink(tmp_path / "secret", tmp_path / "out" / "link.ipynb")
+    os.symlink(tmp_path / "out", tmp_path / "linked_dir")
+    os.mkfifo(tmp_path / "out" / "fifo")
+    assert load_json_beneath(tmp_path, "out/nb.ipynb") == {"a": 1}
+    for rel in ("out/link.ipynb", "linked_dir/nb.ipynb", "out/fifo", "../secret", "out/missing"):
+        with pytest.raises(UntrustedFileError):
+            read_beneath(tmp_path, rel, 1000)
+    with pytest.raises(UntrustedFileError, match="over the grader's limit"):
+        read_beneath(tmp_path, "out/nb.ipynb", 3)
+
+
+def test_tolerant_records_skip_malformed_ones_and_keep_the_rest():
+    def out(payload):
+        return {"output_type": "display_data", "data": {MIME: payload}}
+    nb = {"cells": [{"cell_type": "code", "outputs": [out({"name": "a", "value": 1}), out({"value": 2}),
+                                                      out("not json"), out({"name": 3, "value": 3}),
+                                                      out(json.dumps({"name": "b", "value": {"$float": "nan"}})),
+                                                      "junk"]},
+                    "junk cell", {"cell_type": "code", "outputs": "junk"}]}
+    records, problems = tolerant_records(nb)
+    assert records["a"] == 1 and math.isnan(records["b"]) and len(records) == 2
+    assert len(problems) == 3 and all("malformed record output" in p for p in problems)
+
+
+def test_cap_text_and_cap_notebook_cut_long_outputs():
+    assert cap_text("short") == "short"
+    cut = cap_text("a" * 1000 + "b" * 1000, 100)
+    assert cut.startswith("a" * 66) and cut.endswith("b" * 34) and "1900 characters cut" in cut
+    nb = {"cells": [{"cell_type": "code", "outputs": [
+        {"output_type": "stream", "name": "stdout", "text": ["x" * 50_000]},
+        {"output_type": "error", "ename": "E", "evalue": "v", "traceback": ["t" * 30_000]},
+        {"output_type": "display_data", "data": {"image/png": "i" * 100_000, "text/plain": "ok"}},
+        {"output_type": "display_data", "data": {MIME: {"name": "n", "value": 1}}}]}]}
+    capped, cuts = cap_notebook(nb)
+    outs = capped["cells"][0]["outputs"]
+    assert cuts == 3 and len(outs[0]["text"]) < 21_000 and len(outs[1]["traceback"][0]) < 21_000
+    assert "image/png" not in outs[2]["data"] and outs[3]["data"][MIME] == {"name": "n", "value": 1}
+
+
+# -- evidence ----------------------------------------------------------------------------------------------------
+
+def _fake_run(workdir: Path, rel: str, losses: list[float]):
+    ev = EventWriter(workdir / rel, rank=0)
+    for i, loss in enumerate(losses, 1):
+        ev.emit("step", step=i, loss=loss, samples=4, step_s=0.1, data_s=0.0, compute_s=0.1, comm_s=0.0)
+    ev.emit("end", final_loss=losses[-1])
+    ev.close()
+
+
+def test_evidence_is_derived_from_event_files_and_matched_to_recorded_run_dirs(tmp_path):
+    _fake_run(tmp_path, "out/fit", [4.0, 2.0, 1.0])
+    (tmp_path / "out" / "fit" / "events" / "rank-0.jsonl").open("a").write('{"cut short\n')
+    os.symlink("/etc", tmp_path / "elsewhere")  # never followed
+    found = run_evidence(tmp_path)
+    assert found[WORKDIR] == str(tmp_path)
+    run = found[RUNS]["out/fit"]
+    assert (run["final_loss"], run["steps"], run["loss_curve"], run["world_size"]) == (1.0, 3, [4.0, 2.0, 1.0], 1)
+    for recorded in ("out/fit", "./out/fit", str(tmp_path / "out" / "fit")):
+        assert evidence({**found, "run_dir": recorded}, recorded)["final_loss"] == 1.0
+    with pytest.raises(AssertionError, match="no event files were found for the run 'out/other'"):
+        evidence(found, "out/other")
+
+
+def test_a_notebook_cannot_record_the_graders_evidence_itself():
+    kept, dropped = strip_grader_records({"grader.runs": {"x": {}}, "grader.workdir": "/", "loss": 1})
+    assert kept == {"loss": 1} and dropped == ["grader.runs", "grader.workdir"]
+
+
+# -- reports -----------------------------------------------------------------------------------------------------
+
+def _result(**kw) -> SubmissionResult:
+    checks = [CheckResult("public_one", "fail", 0, 2, message="<b>x</b> is wrong"),
+              CheckResult("secret_one", "error", 0, 3, message="check raised KeyError: 'k'", hidden=True,
+                          detail='File "hidden_checks.py", line 9, in secret_one\n    assert r["k"] == SECRET_VALUE')]
+    base = dict(student="alice", lab="90_fixture", submission="alice.ipynb", status="cell_error",
+                message="cell 3 raised ValueError: bad", score=0.0, max_score=5.0, checks=checks,
+                execution={"traceback": "Traceback <script>"})
+    return SubmissionResult(**{**base, **kw})
+
+
+def test_feedback_shows_hidden_checks_by_name_and_message_only(tmp_path):
+    for sub in ("results", "feedback", "instructor"):
+        (tmp_path / sub).mkdir()
+    data = write_submission(tmp_path, _result())
+    page = (tmp_path / "feedback" / "alice.html").read_text()
+    saved = (tmp_path / "results" / "alice.json").read_text()
+    assert "secret_one" in page and "(hidden check)" in page and "check raised KeyError" in page
+    for text in (page, saved):
+        assert "SECRET_VALUE" not in text and "hidden_checks.py" not in text
+    assert "&lt;b&gt;x&lt;/b&gt;" in page and "<script>" not in page  # student-influenced text is escaped
+    assert data["checks"][1]["detail"] == ""
+    logged = (tmp_path / "instructor" / "hidden_check_errors.jsonl").read_text()
+    assert "SECRET_VALUE" in logged  # instructors still get the traceback
+
+
+def test_gradebook_has_a_row_per_result_in_the_folder_and_a_column_per_check(tmp_path):
+    for sub in ("results", "feedback", "instructor"):
+        (tmp_path / sub).mkdir()
+    write_submission(tmp_path, _result(student="bob", score=2.0))
+    write_submission(tmp_path, _result(student="alice"))
+    rows = write_gradebook(tmp_path).read_text().splitlines()
+    assert rows[0] == "student,percent,score,max_score,status,message,public_one,secret_one (hidden)"
+    assert rows[1].startswith("alice,0.0,0.0,5.0,cell_error,") and rows[2].startswith("bob,40.0,2.0,5.0,")
+
+
+def test_feedback_page_states_score_and_run_outcome():
+    page = feedback_html({**result_to_dict(_result(score=2.5)), "percent": 50.0})
+    assert "Score: 2.5 / 5 (50 %)" in page and "cell error" in page and "Output on stderr never costs points" in page
+
+
+# -- batch isolation and CLI ---------------------------------------------------------------------------------------
+
+def test_a_grader_failure_on_one_submission_stays_with_it(tmp_path, monkeypatch):
+    subs = []
+    for name in ("ann", "ben"):
+        (tmp_path / f"{name}.ipynb").write_text("{not json")
+        subs.append(tmp_path / f"{name}.ipynb")
+    real = grader._collect
+
+    def flaky(ctx, job, sub, outcome, result, shipped):
+        if sub.student == "ann":
+            raise RuntimeError("disk on fire")
+        return real(ctx, job, sub, outcome, result, shipped)
+    monkeypatch.setattr(grader, "_collect", flaky)
+    batch = grade(LAB, subs, tmp_path / "out", GradeOptions(jobs=2))
+    by = {r.student: r for r in batch.results}
+    assert by["ann"].status == "grader_error" and "RuntimeError: disk on fire" in by["ann"].message
+    assert by["ben"].status == "malformed" and "not valid JSON" in by["ben"].message
+    assert (tmp_path / "out" / "feedback" / "ann.html").exists()
+
+
+def test_cli_grade_passes_options_to_the_api(monkeypatch, capsys, tmp_path):
+    seen = {}
+
+    def fake(lab, submissions, out, options, progress):
+        seen.update(lab=lab, submissions=submissions, out=out, options=options)
+        return grader.BatchResult("90_fixture", tmp_path, [], tmp_path / "gradebook.csv", 0.1)
+    monkeypatch.setattr(grader, "grade", fake)
+    code = main(["grade", str(LAB), "a.ipynb", "b/", "-j", "3", "--out", "o", "--set", "steps=5",
+                 "--set", "name=run", "--cell-timeout", "7", "--memory-mb", "2048", "--hide", "/srv/key"])
+    assert code == 0 and seen["lab"] == LAB.resolve() and seen["submissions"] == ["a.ipynb", "b/"]
+    o = seen["options"]
+    assert (o.jobs, o.parameters, o.cell_timeout_s, o.memory_mb, o.hide, o.sandbox, o.network) == \
+        (3, {"steps": 5, "name": "run"}, 7.0, 2048, ("/srv/key",), True, None)
+    assert main(["grade", str(LAB), "a.ipynb", "-j", "0"]) == 1
+    assert "-j/--jobs must be >= 1" in capsys.readouterr().err
+
+
+def test_lab_checks_of_the_fixture_are_public_and_hidden():
+    checks = lab_checks(LAB)
+    assert [(c.name, c.points, c.hidden) for c in checks] == [
+        ("mean_is_right", 2, False), ("loss_is_small", 2, False), ("loss_matches_the_run", 3, True),
+        ("w_is_the_mean", 1, True)]
