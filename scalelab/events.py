@@ -48,9 +48,13 @@ def _plain(value):
 class EventReader:
     """Reads new events incrementally from every rank file of a run (keeps a byte offset per file)."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, from_now: bool = False):
+        """With from_now, skip what the files already hold: a relaunch into the same run directory (a resume)
+        appends to the same rank files, and its handle must see only its own events."""
         self.dir = events_dir(run_dir)
         self._offsets: dict[Path, int] = {}
+        if from_now and self.dir.is_dir():
+            self._offsets = {p: p.stat().st_size for p in self.dir.glob("rank-*.jsonl")}
         self.all: list[dict] = []
 
     def poll(self) -> list[dict]:

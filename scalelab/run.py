@@ -34,10 +34,11 @@ class Run:
 
     launcher = "base"
 
-    def __init__(self, spec, run_dir):
+    def __init__(self, spec, run_dir, reader: EventReader | None = None):
         self.spec = spec
         self.run_dir = Path(run_dir)
-        self._reader = EventReader(self.run_dir)
+        # made by the launcher before any rank starts (see prepare_run_dir), so earlier attempts' lines are skipped
+        self._reader = reader or EventReader(self.run_dir, from_now=True)
         self._state = "pending"
         self.error: str | None = None
         self.failed_rank: int | None = None

@@ -11,17 +11,22 @@ from pathlib import Path
 import psutil
 
 from ..errors import LaunchError
+from ..events import EventReader
 from ..run import Run, describe_exit, kill_processes
 
 
 def prepare_run_dir(spec):
-    """Resolve output_dir (default runs/<name>-<time>), create it with logs/, write spec.json; returns (spec, dir)."""
+    """Resolve output_dir (default runs/<name>-<time>), create it with logs/, write spec.json.
+
+    Returns (spec, run_dir, reader): the reader is positioned at the end of any earlier attempt's event files
+    (a resume relaunches into the same directory), taken before a rank of this attempt can write.
+    """
     out = spec.output_dir or os.path.join("runs", f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000}")
     run_dir = Path(out).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spec = spec.replace(output_dir=str(run_dir))
     spec.save(run_dir / "spec.json")
-    return spec, run_dir
+    return spec, run_dir, EventReader(run_dir, from_now=True)
 
 
 def worker_command(run_dir: Path, python: str | None = None) -> list[str]:
@@ -48,8 +53,9 @@ class ProcessRun(Run):
     """A run whose processes are children of this one: a launcher process (torchrun, horovodrun, mpirun)
     or one process per rank (local)."""
 
-    def __init__(self, spec, run_dir, procs: list[subprocess.Popen], rank_of_proc: bool = False):
-        super().__init__(spec, run_dir)
+    def __init__(self, spec, run_dir, procs: list[subprocess.Popen], rank_of_proc: bool = False,
+                 reader: EventReader | None = None):
+        super().__init__(spec, run_dir, reader)
         self.procs = procs
         self._rank_of_proc = rank_of_proc  # procs[i] is rank i
         self._psprocs = [psutil.Process(p.pid) for p in procs]

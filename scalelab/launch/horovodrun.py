@@ -30,8 +30,8 @@ def horovodrun_command(spec, run_dir) -> list[str]:
 
 def launch(spec, env: dict | None = None) -> HorovodrunRun:
     """Start horovodrun with spec.world.workers_per_node ranks over Gloo; returns at once."""
-    spec, run_dir = prepare_run_dir(spec)
+    spec, run_dir, reader = prepare_run_dir(spec)
     env = scrub_env(env)
     env["OMP_NUM_THREADS"] = str(threads_for(spec))
     proc = start_process(horovodrun_command(spec, run_dir), env, run_dir / "logs" / "launcher.log")
-    return HorovodrunRun(spec, run_dir, [proc])
+    return HorovodrunRun(spec, run_dir, [proc], reader=reader)

@@ -22,10 +22,10 @@ def rank_env(base: dict, rank: int, world: int, port: int, threads: int) -> dict
 
 def launch(spec, env: dict | None = None) -> LocalRun:
     """Start spec.world.workers_per_node ranks here; returns at once."""
-    spec, run_dir = prepare_run_dir(spec)
+    spec, run_dir, reader = prepare_run_dir(spec)
     world, port, threads = spec.world_size, free_port(), threads_for(spec)
     base = scrub_env(env)
     cmd = worker_command(run_dir)
     procs = [start_process(cmd, rank_env(base, r, world, port, threads), run_dir / "logs" / f"launcher-rank-{r}.log")
              for r in range(world)]
-    return LocalRun(spec, run_dir, procs, rank_of_proc=True)
+    return LocalRun(spec, run_dir, procs, rank_of_proc=True, reader=reader)

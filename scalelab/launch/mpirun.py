@@ -38,9 +38,9 @@ def mpirun_command(spec, run_dir, port: int, hostfile: str | None = None) -> lis
 
 def launch(spec, env: dict | None = None, hostfile: str | None = None) -> MpirunRun:
     """Start mpirun with spec.world_size ranks; returns at once."""
-    spec, run_dir = prepare_run_dir(spec)
+    spec, run_dir, reader = prepare_run_dir(spec)
     env = scrub_env(env)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(threads_for(spec)))
     env.setdefault("PYTHONPATH", "")
     proc = start_process(mpirun_command(spec, run_dir, 0, hostfile), env, run_dir / "logs" / "launcher.log")
-    return MpirunRun(spec, run_dir, [proc])
+    return MpirunRun(spec, run_dir, [proc], reader=reader)

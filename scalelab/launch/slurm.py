@@ -86,8 +86,8 @@ class SlurmRun(Run):
 
     launcher = "slurm"
 
-    def __init__(self, spec, run_dir, job_id: str, env: dict):
-        super().__init__(spec, run_dir)
+    def __init__(self, spec, run_dir, job_id: str, env: dict, reader=None):
+        super().__init__(spec, run_dir, reader)
         self.job_id, self.env = job_id, env
         self._last_check = 0.0
         self._cached = ("pending", None, None)
@@ -143,7 +143,7 @@ class SlurmRun(Run):
 
 def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun:
     """Write the batch script into the run directory and sbatch it; returns at once (the job may queue)."""
-    spec, run_dir = prepare_run_dir(spec)
+    spec, run_dir, reader = prepare_run_dir(spec)
     env = slurm_env(scrub_env(env))  # a notebook inside a hub job must not hand its SLURM_JOB_* down
     script = run_dir / "job.sh"
     script.write_text(batch_script(spec, run_dir, python or sys.executable))
@@ -152,7 +152,7 @@ def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun
         raise LaunchError(f"sbatch refused the job: {(r.stderr or r.stdout).strip()} (script: {script})")
     job_id = r.stdout.strip().split(";")[0]
     (run_dir / "job_id").write_text(job_id + "\n")
-    return SlurmRun(spec, run_dir, job_id, env)
+    return SlurmRun(spec, run_dir, job_id, env, reader)
 
 
 __all__ = ["batch_script", "launch", "SlurmRun", "slurm_env", "threads_for"]

@@ -32,8 +32,8 @@ def torchrun_command(spec, run_dir, port: int) -> list[str]:
 
 def launch(spec, env: dict | None = None) -> TorchrunRun:
     """Start torchrun with spec.world.workers_per_node ranks; returns at once."""
-    spec, run_dir = prepare_run_dir(spec)
+    spec, run_dir, reader = prepare_run_dir(spec)
     env = scrub_env(env)
     env["OMP_NUM_THREADS"] = str(threads_for(spec))
     proc = start_process(torchrun_command(spec, run_dir, free_port()), env, run_dir / "logs" / "launcher.log")
-    return TorchrunRun(spec, run_dir, [proc])
+    return TorchrunRun(spec, run_dir, [proc], reader=reader)
