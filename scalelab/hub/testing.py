@@ -301,7 +301,7 @@ def class_reservation_and_queue(cluster) -> Iterator[tuple[str, str]]:
     resv, down = f"hubtest-{tag}", f"hubdown-{tag}"
     node = cluster.status()["nodes"][0]["name"]
     cluster.run("scontrol", "create", "reservation", f"ReservationName={resv}", "Users=root", "StartTime=now",
-                "Duration=120", f"Nodes={node}", "CoreCnt=1")
+                "Duration=120", f"Nodes={node}", "CoreCnt=1", "Flags=IGNORE_JOBS")
     try:
         cluster.run("scontrol", "create", f"PartitionName={down}", f"Nodes={node}", "State=DOWN")
         yield resv, down
