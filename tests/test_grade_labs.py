@@ -1,0 +1,51 @@
+"""Every lab under labs/: releases cleanly; its reference grades 100 % and its student copy below 100 %.
+
+Parametrized over `labs/*/lab.ipynb` at collection time, so a new lab is picked up without touching this file.
+The grading runs are `slow` (each executes the lab twice, in the sandbox, with the lab's grading parameters).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scalelab.grade.grader import GradeOptions, grade
+from scalelab.grade.lab import load_lab
+from scalelab.grade.release import release_lab
+
+ROOT = Path(__file__).resolve().parent.parent
+LABS = sorted(p.parent for p in (ROOT / "labs").glob("*/lab.ipynb"))
+labs = pytest.mark.parametrize("lab", LABS, ids=[p.name for p in LABS])
+
+
+def _why(result) -> str:
+    failing = [f"{c.name} ({'hidden' if c.hidden else 'public'}): {c.outcome}: {c.message}"
+               for c in result.checks if c.outcome != "pass"]
+    return f"{result.student}: {result.status}: {result.message}\n" + "\n".join(failing)
+
+
+@labs
+def test_lab_releases_cleanly_and_has_its_grading_files(lab, tmp_path):
+    settings = load_lab(lab)  # lab.yaml valid
+    assert (lab / "checks.py").exists(), f"{lab.name} has no checks.py (public checks for SelfCheck)"
+    report = release_lab(lab, tmp_path / lab.name)
+    assert report.exercises >= 1, f"{lab.name}: no '# BEGIN SOLUTION' block, so the student copy is the solution"
+    assert not (tmp_path / lab.name / "hidden_checks.py").exists()
+    assert settings.grading.total_timeout_s >= settings.grading.cell_timeout_s
+
+
+@pytest.mark.slow
+@labs
+def test_reference_grades_full_marks_and_student_copy_does_not(lab, tmp_path):
+    release_lab(lab, tmp_path / "student" / lab.name)
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    shutil.copyfile(lab / "lab.ipynb", subs / "reference.ipynb")
+    shutil.copyfile(tmp_path / "student" / lab.name / "lab.ipynb", subs / "student_copy.ipynb")
+    batch = grade(lab, [subs / "reference.ipynb", subs / "student_copy.ipynb"], tmp_path / "out",
+                  GradeOptions(jobs=2))
+    by = {r.student: r for r in batch.results}
+    assert by["reference"].max_score > 0, f"{lab.name} has no checks with points"
+    assert by["reference"].percent == 100, _why(by["reference"])
+    assert by["student_copy"].percent < 100, _why(by["student_copy"])
