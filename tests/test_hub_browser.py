@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scalelab.hub.testing import HubRunner
+from scalelab.hub.testing import HubRunner, slurm_settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.hub, pytest.mark.slow]
 
@@ -73,3 +73,39 @@ def test_log_in_start_lab_open_a_lab_and_run_a_cell(hub, browser):
         raise
     finally:
         page.close()
+
+
+@pytest.mark.slurm
+def test_slurm_spawn_form_pick_a_profile_and_get_lab(tmp_path, slurm_cluster, browser):
+    """slurm mode: the form lists the profiles (one on a partition this cluster lacks, disabled); the chosen one
+    starts as a job and JupyterLab opens."""
+    profiles = [{"name": "cpu-1h", "display_name": "CPU, 1 h", "partition": "cpu", "memory": "1G",
+                 "walltime": "1:00:00"},
+                {"name": "gpu-1h", "display_name": "1 GPU, 1 h", "partition": "no-such-gpu-partition",
+                 "gpus_per_node": 1, "walltime": "1:00:00"}]
+    runner = HubRunner(tmp_path, mode="slurm", settings=slurm_settings(slurm_cluster, "", profiles))
+    user = runner.user("slurmstud")
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        runner.start()
+        page.goto(f"{runner.url}/hub/login")
+        page.fill("input[name=username]", user)
+        page.fill("input[name=password]", runner.password)
+        page.click("#login_submit")
+        page.wait_for_selector("input[name=profile][value=cpu-1h]")
+        assert page.locator("input[name=profile][value=gpu-1h]").is_disabled()
+        assert page.get_by_text("not available on this cluster").count() == 1
+        page.check("input[name=profile][value=cpu-1h]")
+        page.select_option("select[name=walltime]", "0:30:00")
+        page.click("form input[type=submit], form button[type=submit]")
+        page.wait_for_url(f"**/user/{user}/lab**", timeout=120_000)
+        page.wait_for_selector(".jp-Launcher", timeout=90_000)
+        [job] = runner.jobs()
+        assert (job["partition"], job["timelimit"]) == ("cpu", "30:00")
+    except Exception:
+        page.screenshot(path=str(tmp_path / "failure.png"))
+        raise
+    finally:
+        page.close()
+        runner.cleanup()

@@ -71,7 +71,7 @@ def test_profiles_on_missing_partitions_are_refused():
 
 
 def test_form_data_becomes_options():
-    assert options_from_form({"profile": ["gpu1-2h"], "walltime": [""]}) == {"profile": "gpu1-2h"}
+    assert options_from_form({"profile": ["gpu1-2h"], "walltime": [""], "_xsrf": ["x"]}) == {"profile": "gpu1-2h"}
     assert options_from_form({"profile": ["cpu-2h"], "walltime": ["1:00:00"]}) == \
         {"profile": "cpu-2h", "walltime": "1:00:00"}
 

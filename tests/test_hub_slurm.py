@@ -139,3 +139,21 @@ def test_hub_restart_keeps_a_running_server_reachable(hub):
     fay.stop()
     fay.wait_gone()
     wait_no_jobs(hub, fay.name)
+
+
+def test_the_spawn_form_offers_the_profiles_and_starts_the_chosen_one(hub):
+    gus = hub.login("gus")
+    page = gus.session.get(f"{hub.url}/hub/spawn", timeout=30)
+    assert page.status_code == 200
+    for name in ("cpu-2h", "queued", "broken"):
+        assert f'value="{name}"' in page.text
+    xsrf = gus.session.cookies.get("_xsrf", path="/hub/")
+    r = gus.session.post(f"{hub.url}/hub/spawn/{gus.name}", timeout=60, allow_redirects=False,
+                         data={"profile": "cpu-2h", "walltime": "0:30:00", "_xsrf": xsrf})
+    assert r.status_code == 302, r.text[:500]
+    gus.wait_ready(timeout=60)
+    [job] = [j for j in hub.jobs() if gus.name in j["name"]]
+    assert (job["partition"], job["timelimit"]) == ("cpu", "30:00")
+    gus.stop()
+    gus.wait_gone()
+    wait_no_jobs(hub, gus.name)

@@ -175,8 +175,9 @@ def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[P
 
 
 def options_from_form(formdata: Mapping[str, list[str]]) -> dict:
-    """Spawn-form data to user options: single values unpacked, an empty walltime dropped."""
-    out = {key: _single(value) for key, value in formdata.items()}
+    """Spawn-form data to user options: single values unpacked, an empty walltime and the page's own `_xsrf`
+    field dropped (every other field still goes through `resolve_options`)."""
+    out = {key: _single(value) for key, value in formdata.items() if key != "_xsrf"}
     if out.get("walltime") in ("", None):
         out.pop("walltime", None)
     return out

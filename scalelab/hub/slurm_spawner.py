@@ -306,7 +306,6 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         self._port_event = asyncio.Event()
         await self.prepare_home(extra_dirs=[self.log_dir()])
         await self.submit_batch_script()
-        self.db.commit()
         interval = self.poll_min
         while True:
             status = await self.query_job_status()
