@@ -18,7 +18,6 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
-from batchspawner import JobStatus
 from jupyterhub.objects import Hub
 from tornado import web
 from traitlets.config import Config

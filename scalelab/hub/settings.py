@@ -13,7 +13,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import yaml
 
@@ -190,12 +190,3 @@ def _explain(error, root: dict) -> str:
     example = f", e.g. {examples[0]!r}" if examples else ""
     return f"{where}: {error.instance!r} is not valid; expected {expected or error.message}{example}"
 
-
-def course_value(cfg: Mapping, dotted: str, default: Any = None) -> Any:
-    """cfg['a']['b'] for 'a.b' (a small helper for callers that only read)."""
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
