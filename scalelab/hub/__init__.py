@@ -1,0 +1,15 @@
+"""The course hub: what `hub_config/jupyterhub_config.py` and `scalelab hub` are made of.
+
+- `settings`   the course settings file: defaults + course file (YAML/TOML) + overrides, schema-checked
+- `config`     settings applied to a JupyterHub config, one `update_*(c, cfg)` per concern
+- `options`    course profiles and the bounds on what a student may ask for; the spawn form
+- `batch`      the Slurm batch script, a pure function of the resolved request
+- `course_spawner`, `local_spawner`, `slurm_spawner`   the spawners (homes, labs, Slurm lifecycle, fixes)
+- `api`        the safe replacement of batchspawner's port callback
+- `singleuser` the job-side wrapper that reports the port and starts JupyterLab
+- `provision`  handing the labs out without overwriting a student's work
+- `kernels`    the course kernel specs in kernels/
+- `auth`, `culler`, `cli`, `testing`   passwords, the idle culler service, `scalelab hub`, a hub for tests
+
+Nothing here is imported by the core library.
+"""
