@@ -182,3 +182,51 @@ def test_plan_notes_what_this_machine_cannot_do():
     if plan.memory_via == "rlimit":
         assert any("RLIMIT_AS" in n for n in plan.notes)
     assert SandboxPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+@root_only
+def test_grading_as_an_ordinary_user_works_and_says_what_it_could_not_do(open_tmp):
+    # The grader itself runs as nobody here: no throwaway uid, network and hiding through a user namespace.
+    open_tmp.chmod(0o777)
+    sub = open_tmp / "subs" / "carol.ipynb"
+    sub.parent.mkdir()
+    sub.write_text("{not a notebook")
+    sub.parent.chmod(0o777)
+    lab = Path(__file__).parent / "fixtures" / "grading" / "labs" / "90_fixture"
+    code = f"""
+    import json
+    from scalelab.grade.grader import GradeOptions, grade
+    r = grade({str(lab)!r}, [{str(sub)!r}], {str(open_tmp / 'out')!r}, GradeOptions()).results[0]
+    print(json.dumps({{"status": r.status, "message": r.message, "sandbox": r.sandbox}}))
+    """
+    plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None), uid=65534)
+    proc = _confined(plan, code, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["status"] == "malformed" and "not valid JSON" in result["message"]  # the sandbox was applied
+    assert result["sandbox"]["user"] == "grader's user"
+    assert any("not root" in n for n in result["sandbox"]["notes"])
+    if result["sandbox"]["network"] != "not isolated":
+        assert result["sandbox"]["network"] == "isolated (user namespace)"
+
+
+@root_only
+def test_hiding_works_without_root_through_a_user_namespace(open_tmp):
+    (open_tmp / "lab").mkdir(mode=0o755)
+    (open_tmp / "lab" / "hidden_checks.py").write_text("SECRET")
+    (open_tmp / "lab" / "hidden_checks.py").chmod(0o644)
+    # As nobody (a fresh interpreter, as the runner is): plan, confine, then try to read and to unmount.
+    inner = f"""
+import os, subprocess
+from scalelab.grade.sandbox import SandboxPolicy, apply_sandbox, plan_sandbox
+plan = plan_sandbox(SandboxPolicy(hide=({str(open_tmp / 'lab')!r},), memory_mb=None))
+apply_sandbox(plan)
+print("userns", plan.userns, "listing", os.listdir({str(open_tmp / 'lab')!r}))
+print("umount", subprocess.run(["umount", {str(open_tmp / 'lab')!r}], capture_output=True).returncode)
+"""
+    outer = plan_sandbox(SandboxPolicy(network=True, memory_mb=None), uid=65534)
+    proc = _confined(outer, f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])")
+    if "userns False" in proc.stdout:
+        pytest.skip("no unprivileged user namespaces on this kernel")
+    assert "userns True listing []" in proc.stdout, proc.stderr
+    assert "umount 0" not in proc.stdout

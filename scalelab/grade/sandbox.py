@@ -78,6 +78,8 @@ class SandboxPlan:
     gid: int | None = None
     netns: str = "none"
     """'root' (new network namespace), 'user' (user + network namespace, not root) or 'none'."""
+    userns: bool = False
+    """Not root: enter a user namespace first (what lets an ordinary user make network and mount namespaces)."""
     hide: list[str] = field(default_factory=list)
     expose: list[str] = field(default_factory=list)
     """Paths the throwaway uid needs (the interpreter) under a folder it may not enter (e.g. /root, mode 700)."""
@@ -122,6 +124,12 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
     elif policy.own_user:
         plan.notes.append("not root: the submission runs as the grader's own user (it can read what that user "
                           "can, including hidden checks on disk; hiding paths is best effort)")
+    if not root:
+        userns_ok = verify_network_isolation("user")["isolated"]  # also proves user namespaces work here
+        if plan.hide and not userns_ok:
+            plan.hide = []
+            plan.notes.append("no user namespaces here: paths cannot be hidden from the submission")
+        plan.userns = userns_ok and bool(plan.hide or not policy.network)
     if not policy.network:
         mode = "root" if root else "user"
         check = verify_network_isolation(mode)
@@ -233,12 +241,12 @@ def apply_sandbox(plan: SandboxPlan) -> None:
     if plan.cgroup:
         Path(plan.cgroup, "cgroup.procs").write_text(str(os.getpid()))
     flags = (CLONE_NEWNET if plan.netns in ("root", "user") else 0) | (CLONE_NEWNS if plan.hide or plan.expose else 0)
-    if plan.netns == "user":
+    uid, gid = os.getuid(), os.getgid()
+    if plan.userns or plan.netns == "user":
         flags |= CLONE_NEWUSER
-        uid, gid = os.getuid(), os.getgid()
     if flags:
         _call("unshare", flags)
-    if plan.netns == "user":
+    if flags & CLONE_NEWUSER:
         _map_ids(uid, gid)
     if flags & CLONE_NEWNS:
         _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
