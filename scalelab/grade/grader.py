@@ -25,8 +25,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,17 +35,13 @@ from typing import Any, Callable
 
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .evidence import RUNS, run_evidence, strip_grader_records
-from .lab import NOTEBOOK, GradingError, Lab, find_labs, load_lab, student_files
-from .sandbox import SandboxPlan, SandboxPolicy, blocking_ancestor, cleanup, needed_paths, plan_sandbox
+from .job import copy_submission, hidden_paths, job_base, run_job, working_copy
+from .lab import NOTEBOOK, GradingError, Lab, load_lab
+from .sandbox import SandboxPlan, SandboxPolicy, cleanup, plan_sandbox
 from .untrusted import (MAX_OUTPUT_CHARS, UntrustedFileError, cap_notebook, cap_text, load_json_beneath,
                         tolerant_records)
 
 STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "malformed", "grader_error")
-RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit
-MAX_SUBMISSION_BYTES = 32 * 2**20
-# The environment a submission sees: nothing else of the grader's (tokens, passwords) reaches student code.
-ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "VIRTUAL_ENV", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass
@@ -150,8 +144,8 @@ def grade(lab_dir: str | Path, submissions: list, out_dir: str | Path | None = N
     from . import report
     report.prepare_out_dir(out, private=os.geteuid() == 0)
     checks = lab_checks(lab.path)  # loaded once, here: check code never runs where a student's code runs
-    base = _job_base(options)
-    ctx = _Context(lab, checks, options, out, base, _hidden_paths(lab, subs, out, base, options))
+    base = job_base(options.workdir, options.sandbox)
+    ctx = _Context(lab, checks, options, out, base, hidden_paths(lab, [s.path for s in subs], out, base, options.hide))
     results: list[SubmissionResult] = []
     try:
         with ThreadPoolExecutor(max_workers=max(1, options.jobs), thread_name_prefix="grade") as pool:
@@ -203,8 +197,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     opts = ctx.options
     job = Path(tempfile.mkdtemp(prefix=f"{sub.student[:40]}-", dir=ctx.base))
     result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
-    problem = _copy_submission(sub, job / "work")
-    _working_copy(ctx.lab, job)
+    problem = copy_submission(sub.path, job / "work")
+    working_copy(ctx.lab, job)
     shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
     policy = SandboxPolicy(memory_mb=opts.memory_mb or settings.memory_mb,
                            network=settings.network if opts.network is None else opts.network,
@@ -219,78 +213,16 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
         if problem:
             outcome = {"status": "malformed", "message": problem}
         else:
-            outcome = _run(ctx, job, plan, settings, sub.student)
+            outcome = run_job(job, plan, {**settings.parameters, **(opts.parameters or {})},
+                              opts.cell_timeout_s or settings.cell_timeout_s,
+                              opts.total_timeout_s or settings.total_timeout_s,
+                              ctx.out / "instructor" / "logs" / f"{sub.student}.log")
     finally:
         cleanup(plan)
     _collect(ctx, job, sub, outcome, result, shipped)
     if not opts.keep_workdirs:
         shutil.rmtree(job, ignore_errors=True)
     return result
-
-
-def _copy_submission(sub: Submission, work: Path) -> str | None:
-    """Put the submission in the working copy as lab.ipynb; returns why it cannot be used, or None."""
-    work.mkdir(parents=True)
-    if sub.path.is_symlink():
-        return f"{sub.path.name} is a symbolic link, not a notebook file"
-    if not sub.path.is_file():
-        return f"{sub.path} does not exist (or is not a file)"
-    if sub.path.stat().st_size > MAX_SUBMISSION_BYTES:
-        return (f"{sub.path.name} is {sub.path.stat().st_size / 2**20:.1f} MiB, over the "
-                f"{MAX_SUBMISSION_BYTES // 2**20} MiB a submission may have: clear the outputs and submit again")
-    shutil.copyfile(sub.path, work / NOTEBOOK)
-    return None
-
-
-def _working_copy(lab: Lab, job: Path) -> None:
-    """The lab as a student has it (no hidden checks, no solutions), around the submission; HOME and TMPDIR."""
-    work = job / "work"
-    for rel in student_files(lab.path):
-        if rel == Path(NOTEBOOK):
-            continue
-        (work / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(lab.path / rel, work / rel)
-    for name in ("home", "tmp", "out"):
-        (job / name).mkdir()
-
-
-def _run(ctx: _Context, job: Path, plan: SandboxPlan, settings, student: str) -> dict:
-    """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted)."""
-    import json
-    opts = ctx.options
-    parameters = {**settings.parameters, **(opts.parameters or {})}
-    total = opts.total_timeout_s or settings.total_timeout_s
-    spec = {"notebook": str(job / "work" / NOTEBOOK), "output": str(job / "out" / NOTEBOOK), "cwd": str(job / "work"),
-            "parameters": parameters, "cell_timeout": opts.cell_timeout_s or settings.cell_timeout_s,
-            "total_timeout": total, "sandbox": plan.to_dict(), "outcome": str(job / "outcome.json")}
-    job_file = job / "job.json"
-    job_file.write_text(json.dumps(spec))
-    if plan.uid is not None:
-        _chown_tree(job, plan.uid, plan.gid)
-    job.chmod(0o700)
-    env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
-    env.update(HOME=str(job / "home"), TMPDIR=str(job / "tmp"), USER="student", LOGNAME="student",
-               PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
-    log_path = ctx.out / "instructor" / "logs" / f"{student}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "scalelab.grade.runner", str(job_file)], cwd=job / "work",
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            proc.wait(total + RUNNER_GRACE_S)
-        except subprocess.TimeoutExpired:
-            cleanup(plan, proc.pid)
-            proc.wait()
-            return {"status": "timeout", "message": f"the run passed the grader's hard limit of "
-                                                    f"{total + RUNNER_GRACE_S:g} s and was killed"}
-        cleanup(plan, proc.pid)
-    _cap_file(log_path)
-    try:
-        outcome = load_json_beneath(job, "outcome.json", 2**20)
-    except (UntrustedFileError, ValueError, RecursionError) as e:
-        return {"status": "grader_error", "message": f"the run left no readable outcome ({e}; runner exit "
-                                                     f"{proc.returncode}): was the grading process killed?"}
-    return outcome if isinstance(outcome, dict) else {"status": "grader_error", "message": "outcome is not a dict"}
 
 
 def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: SubmissionResult,
@@ -379,63 +311,6 @@ def _store_notebook(out: Path, student: str, nb: dict) -> str:
     rel = Path("notebooks") / f"{student}.ipynb"
     (out / rel).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return rel.as_posix()
-
-
-def _cap_file(path: Path, limit: int = 256 * 1024) -> None:
-    """Keep only the end of a long runner log."""
-    if path.stat().st_size > limit:
-        with open(path, "rb") as f:
-            f.seek(-limit, os.SEEK_END)
-            tail = f.read()
-        path.write_bytes(b"[... start cut by the grader ...]\n" + tail)
-
-
-def _chown_tree(root: Path, uid: int, gid: int) -> None:
-    for dirpath, dirnames, filenames in os.walk(root):
-        os.lchown(dirpath, uid, gid)
-        for name in filenames:
-            os.lchown(os.path.join(dirpath, name), uid, gid)
-
-
-def _job_base(options: GradeOptions) -> Path:
-    """A folder for this batch's job folders: enterable (0711) so each throwaway uid reaches its own job."""
-    base = Path(tempfile.mkdtemp(prefix="scalelab-grade-", dir=options.workdir))
-    base.chmod(0o711)
-    if os.geteuid() == 0 and options.sandbox and blocking_ancestor(str(base)):
-        shutil.rmtree(base)
-        raise GradingError(f"job folders would be made in {base.parent}, inside {blocking_ancestor(str(base))} "
-                           "which other users cannot enter; pass --workdir /tmp (or another such folder)")
-    return base
-
-
-def _hidden_paths(lab: Lab, subs: list[Submission], out: Path, base: Path, options: GradeOptions) -> list[str]:
-    """What a submission must not see: the reference lab and its siblings, .git, other submissions, the grades."""
-    cands = {lab.path, out, *[Path(p).resolve() for p in options.hide]}
-    cands.update(find_labs(lab.path.parent))
-    from .release import DEFAULT_LABS, repo_root
-    cands.update(find_labs(DEFAULT_LABS))
-    for root in {repo_root(), _git_root(lab.path)}:
-        if root is not None and (root / ".git").exists():
-            cands.add(root / ".git")
-    keep = [base.resolve(), *map(Path, needed_paths())]
-    hide = set()
-    for sub in subs:
-        parent = sub.path.resolve().parent
-        target = parent.parent if sub.path.name == NOTEBOOK else parent
-        cands.add(target)
-        hide.add(sub.path.resolve())  # used when its folder cannot be covered whole
-    for cand in cands:
-        cand = Path(cand).resolve()
-        if not any(k == cand or cand in k.parents for k in keep):
-            hide.add(cand)
-    return sorted(str(p) for p in hide if os.path.lexists(p))
-
-
-def _git_root(path: Path) -> Path | None:
-    for cand in [path, *path.parents]:
-        if (cand / ".git").exists():
-            return cand
-    return None
 
 
 __all__ = ["GradeOptions", "Submission", "SubmissionResult", "BatchResult", "STATUSES", "collect_submissions",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import html
 import json
-import os
 import threading
 import time
 from pathlib import Path

@@ -1,0 +1,145 @@
+"""One submission's job folder and its sandboxed run: what the grader does around `scalelab.grade.runner`.
+
+    job/                 0700, owned by the run's throwaway uid; its parent is root's 0711 batch folder
+      work/              the lab as a student has it (`lab.student_files`) + the submission as lab.ipynb
+      home/ tmp/         HOME and TMPDIR of the run
+      out/lab.ipynb      the executed notebook (untrusted: read back with `untrusted`)
+      job.json           what the runner must do; outcome.json: what it says happened (untrusted)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .lab import NOTEBOOK, GradingError, Lab, find_labs, student_files
+from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths
+from .untrusted import UntrustedFileError, load_json_beneath
+
+RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit
+MAX_SUBMISSION_BYTES = 32 * 2**20
+# The environment a submission sees: nothing else of the grader's (tokens, passwords) reaches student code.
+ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "VIRTUAL_ENV", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def copy_submission(path: Path, work: Path) -> str | None:
+    """Put the submission in the working copy as lab.ipynb; returns why it cannot be used, or None."""
+    work.mkdir(parents=True)
+    if path.is_symlink():
+        return f"{path.name} is a symbolic link, not a notebook file"
+    if not path.is_file():
+        return f"{path} does not exist (or is not a file)"
+    if path.stat().st_size > MAX_SUBMISSION_BYTES:
+        return (f"{path.name} is {path.stat().st_size / 2**20:.1f} MiB, over the "
+                f"{MAX_SUBMISSION_BYTES // 2**20} MiB a submission may have: clear the outputs and submit again")
+    shutil.copyfile(path, work / NOTEBOOK)
+    return None
+
+
+def working_copy(lab: Lab, job: Path) -> None:
+    """The lab as a student has it (no hidden checks, no solutions), around the submission; HOME and TMPDIR."""
+    work = job / "work"
+    for rel in student_files(lab.path):
+        if rel == Path(NOTEBOOK):
+            continue
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lab.path / rel, work / rel)
+    for name in ("home", "tmp", "out"):
+        (job / name).mkdir()
+
+
+def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float, total: float,
+            log_path: Path) -> dict:
+    """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted)."""
+    spec = {"notebook": str(job / "work" / NOTEBOOK), "output": str(job / "out" / NOTEBOOK), "cwd": str(job / "work"),
+            "parameters": parameters, "cell_timeout": cell_timeout,
+            "total_timeout": total, "sandbox": plan.to_dict(), "outcome": str(job / "outcome.json")}
+    job_file = job / "job.json"
+    job_file.write_text(json.dumps(spec))
+    if plan.uid is not None:
+        chown_tree(job, plan.uid, plan.gid)
+    job.chmod(0o700)
+    env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+    env.update(HOME=str(job / "home"), TMPDIR=str(job / "tmp"), USER="student", LOGNAME="student",
+               PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "scalelab.grade.runner", str(job_file)], cwd=job / "work",
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            proc.wait(total + RUNNER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            cleanup(plan, proc.pid)
+            proc.wait()
+            return {"status": "timeout", "message": f"the run passed the grader's hard limit of "
+                                                    f"{total + RUNNER_GRACE_S:g} s and was killed"}
+        cleanup(plan, proc.pid)
+    cap_file(log_path)
+    try:
+        outcome = load_json_beneath(job, "outcome.json", 2**20)
+    except (UntrustedFileError, ValueError, RecursionError) as e:
+        return {"status": "grader_error", "message": f"the run left no readable outcome ({e}; runner exit "
+                                                     f"{proc.returncode}): was the grading process killed?"}
+    return outcome if isinstance(outcome, dict) else {"status": "grader_error", "message": "outcome is not a dict"}
+
+
+def cap_file(path: Path, limit: int = 256 * 1024) -> None:
+    """Keep only the end of a long runner log."""
+    if path.stat().st_size > limit:
+        with open(path, "rb") as f:
+            f.seek(-limit, os.SEEK_END)
+            tail = f.read()
+        path.write_bytes(b"[... start cut by the grader ...]\n" + tail)
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.lchown(dirpath, uid, gid)
+        for name in filenames:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
+
+
+def job_base(workdir: str | None, sandbox: bool) -> Path:
+    """A folder for this batch's job folders: enterable (0711) so each throwaway uid reaches its own job."""
+    base = Path(tempfile.mkdtemp(prefix="scalelab-grade-", dir=workdir))
+    base.chmod(0o711)
+    if os.geteuid() == 0 and sandbox and blocking_ancestor(str(base)):
+        shutil.rmtree(base)
+        raise GradingError(f"job folders would be made in {base.parent}, inside {blocking_ancestor(str(base))} "
+                           "which other users cannot enter; pass --workdir /tmp (or another such folder)")
+    return base
+
+
+def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """What a submission must not see: the reference lab and its siblings, .git, other submissions, the grades."""
+    cands = {lab.path, out, *[Path(p).resolve() for p in extra]}
+    cands.update(find_labs(lab.path.parent))
+    from .release import DEFAULT_LABS, repo_root
+    cands.update(find_labs(DEFAULT_LABS))
+    for root in {repo_root(), git_root(lab.path)}:
+        if root is not None and (root / ".git").exists():
+            cands.add(root / ".git")
+    keep = [base.resolve(), *map(Path, needed_paths())]
+    hide = set()
+    for path in submissions:
+        parent = path.resolve().parent
+        target = parent.parent if path.name == NOTEBOOK else parent
+        cands.add(target)
+        hide.add(path.resolve())  # used when its folder cannot be covered whole
+    for cand in cands:
+        cand = Path(cand).resolve()
+        if not any(k == cand or cand in k.parents for k in keep):
+            hide.add(cand)
+    return sorted(str(p) for p in hide if os.path.lexists(p))
+
+
+def git_root(path: Path) -> Path | None:
+    for cand in [path, *path.parents]:
+        if (cand / ".git").exists():
+            return cand
+    return None
