@@ -221,3 +221,29 @@ def test_lab_checks_of_the_fixture_are_public_and_hidden():
     assert [(c.name, c.points, c.hidden) for c in checks] == [
         ("mean_is_right", 2, False), ("loss_is_small", 2, False), ("loss_matches_the_run", 3, True),
         ("w_is_the_mean", 1, True)]
+
+
+def test_on_a_gpu_node_without_cgroup_v2_memory_is_not_limited_by_address_space(monkeypatch):
+    from scalelab.grade import sandbox
+    monkeypatch.setattr(sandbox, "gpu_devices", lambda: ["/dev/nvidia0"])
+    monkeypatch.setattr(sandbox, "cgroup2_base", lambda: None)
+    plan = sandbox.plan_sandbox(sandbox.SandboxPolicy(memory_mb=2048, own_user=False, network=True))
+    assert plan.memory_via == "none" and any("RLIMIT_AS would stop CUDA" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("status, execution, expected", [
+    ("ok", {}, "the notebook ran to the end"),
+    ("cell_error", {"cell_index": 3, "cell_tags": ["exercise-1"], "ename": "KeyError", "evalue": "'x'"},
+     "cell 3 (tagged exercise-1) raised KeyError: 'x'"),
+    ("cell_timeout", {"cell_index": 4, "limit_s": 10}, "cell 4 ran longer than the per-cell limit of 10 s"),
+    ("timeout", {"cell_index": 5}, "the notebook ran longer than its limit of 90 s in total (stopped in cell 5)"),
+    ("dead_kernel", {"cell_index": 2}, "the kernel died in cell 2: os._exit, a crash, or more memory than the "
+                                       "3072 MiB via rlimit allowed"),
+    ("malformed", {}, "the submission is not a notebook the grader can run: not valid JSON (line 1)"),
+    ("grader_error", {}, "boom"),
+])
+def test_each_run_outcome_has_its_own_message_for_the_student(status, execution, expected):
+    ctx = grader._Context(load_lab(LAB), [], GradeOptions(), Path("/x"), Path("/y"), [])
+    result = SubmissionResult("s", "90_fixture", "s.ipynb", status, "", sandbox={"memory": "3072 MiB via rlimit"})
+    raw = {"malformed": "/tmp/job/work/lab.ipynb: not valid JSON (line 1)", "grader_error": "boom"}.get(status, "")
+    assert grader.student_message(status, execution, raw, ctx, result).startswith(expected)

@@ -142,6 +142,10 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
         base = cgroup_root or (cgroup2_base() if root else None)
         if base:
             plan.cgroup, plan.memory_via = _make_cgroup(base, plan), "cgroup2"
+        elif gpu_devices():
+            plan.memory_via = "none"  # CUDA reserves far more address space than it uses: RLIMIT_AS breaks it
+            plan.notes.append("GPU node without a writable cgroup v2 memory controller: memory NOT limited "
+                              "(RLIMIT_AS would stop CUDA from initialising)")
         else:
             plan.memory_via = "rlimit"
             plan.notes.append("no writable cgroup v2 with the memory controller: memory limited per process "
@@ -171,11 +175,19 @@ def blocking_ancestor(path: str) -> str | None:
     return None
 
 
+def gpu_devices() -> list[str]:
+    """NVIDIA device files on this machine (/dev/nvidia0, ...)."""
+    return sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
+
+
+_HANDED_OUT: set[int] = set()  # uids given to runs of this grader: two threads never share one
+
+
 def free_uid() -> int:
     """A uid no account and no running process uses (a fresh one per run, so runs cannot touch each other)."""
     import pwd
     import psutil
-    used = set()
+    used = set(_HANDED_OUT)
     for p in psutil.process_iter(["uids"]):
         if p.info["uids"]:
             used.update(p.info["uids"])
@@ -185,6 +197,7 @@ def free_uid() -> int:
             pwd.getpwuid(uid)
         except KeyError:
             if uid not in used:
+                _HANDED_OUT.add(uid)
                 return uid
     raise SandboxError(f"found no free uid in {UID_RANGE}")
 
@@ -427,5 +440,5 @@ def _probe_main(plan_json: str, port: int) -> None:
                   or isinstance(e, socket.timeout) else f"error {e}")
 
 
-__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "apply_sandbox", "cleanup",
+__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "apply_sandbox", "cleanup", "gpu_devices",
            "verify_network_isolation", "free_uid", "cgroup2_base", "loopback_up"]
