@@ -324,3 +324,24 @@ def test_slurm_commands_get_only_what_they_need(spawner, fake):
     server_env = spawner.get_env()
     assert server_env["SLURM_CONF"] == str(fake.state), "srun/sbatch work from the notebook"
     assert server_env["HOME"].endswith("/homes/alice")
+
+
+def test_a_reported_port_ends_the_queue_wait_without_waiting_for_the_next_poll(spawner, fake):
+    spawner.poll_min = spawner.poll_max = 3.0
+    spawner.node_address = "127.0.0.1"
+    sock, port = listening_port()
+
+    async def steps(jid):
+        fake.set_job(jid, state="RUNNING")
+        spawner.report_port(port)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result = await start_and_drive(spawner, fake, steps)
+        return result, loop.time() - t0
+
+    with sock:
+        result, took = run(go())
+    assert result == ("127.0.0.1", port)
+    assert took < 2.5, f"{took:.1f} s: waited for the 3 s poll tick"

@@ -16,6 +16,7 @@ What differs from batchspawner 1.3.0 (each was seen to go wrong with JupyterHub 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import time
@@ -313,7 +314,11 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
                 break
             if status == JobStatus.NOTFOUND:
                 raise self._job_failure("before it started running")
-            await asyncio.sleep(interval)
+            if self._port_event.is_set():  # reported, yet squeue does not say RUNNING: ask again later
+                await asyncio.sleep(interval)
+            else:  # a port reported meanwhile means the job runs: ask squeue (for the node) at once
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._port_event.wait(), timeout=interval)
             interval = min(interval * 1.5, self.poll_max)
         host = self.state_gethost()
         interval = self.poll_min
