@@ -70,7 +70,7 @@ def test_every_submission_is_graded_and_the_cli_succeeds(batch):
     assert batch["code"] == 0
     assert sorted(batch["by"]) == sorted(["correct", "wrong_answer", "missing_record", "infinite_loop", "os_exit",
                                           "reads_hidden", "forged_record", "huge_output", "stderr_output",
-                                          "malformed", "student_copy", "network"])
+                                          "malformed", "untagged_parameters", "student_copy", "network"])
     assert all(r["max_score"] == 8 for r in batch["data"]["results"])
 
 
@@ -160,6 +160,13 @@ def test_stderr_output_never_costs_points(batch):
     assert "a warning on stderr" in (batch["out"] / r["notebook"]).read_text()
 
 
+def test_without_a_parameters_cell_the_students_own_values_run_with_a_note(batch):
+    r = batch["by"]["untagged_parameters"]
+    assert (r["status"], r["score"]) == ("ok", 8)
+    assert any("no cell tagged 'parameters'" in n for n in r["notes"])
+    assert read_records(batch["out"] / r["notebook"])["n"] == 1000  # the notebook's default, not lab.yaml's 500
+
+
 def test_released_student_copy_is_a_cell_error_below_full_marks(batch):
     r = batch["by"]["student_copy"]
     assert r["status"] == "cell_error" and r["execution"]["ename"] == "NotImplementedError"
@@ -178,7 +185,7 @@ def test_reports_gradebook_and_feedback(batch):
     rows = (out / "gradebook.csv").read_text().splitlines()
     assert rows[0].startswith("student,percent,score,max_score,status,message,mean_is_right,loss_is_small,"
                               "loss_matches_the_run (hidden),w_is_the_mean (hidden)")
-    assert len(rows) == 1 + 12 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
+    assert len(rows) == 1 + 13 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
     page = (out / "feedback" / "wrong_answer.html").read_text()
     assert "6 / 8 (75 %)" in page and "w did not converge" in page and "(hidden check)" in page
     assert json.loads((out / "results" / "forged_record.json").read_text())["score"] == 5

@@ -98,6 +98,7 @@ def cap_file(path: Path, limit: int = 256 * 1024) -> None:
 
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:
+    """Give a job folder to the run's uid (never following a link)."""
     for dirpath, dirnames, filenames in os.walk(root):
         os.lchown(dirpath, uid, gid)
         for name in filenames:
@@ -139,6 +140,7 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
 
 
 def git_root(path: Path) -> Path | None:
+    """The checkout `path` lies in (the folder holding .git), or None."""
     for cand in [path, *path.parents]:
         if (cand / ".git").exists():
             return cand

@@ -5,8 +5,9 @@ its own session. It confines itself (`apply_sandbox`) before anything of the stu
 notebook with `execute_notebook`, and writes what happened to JOB["outcome"] as JSON. The grader treats that
 file like everything else in the job folder: as data the student could have written.
 
-Parameters the submission's `parameters` cell no longer declares are left out (with a note) rather than failing
-the whole run: the student then runs with their own value of those.
+Parameters the submission's `parameters` cell no longer declares, or all of them when no cell is tagged
+`parameters` any more, are left out (with a note) rather than failing the whole run: the student then runs with
+their own values of those.
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def main(argv: list[str]) -> int:
 def _execute(job: dict) -> dict:
     notes = []
     parameters = dict(job["parameters"])
+    if parameters and not _has_parameters_cell(job["notebook"]):
+        notes.append("your notebook has no cell tagged 'parameters' (was the tag removed?): the grader's "
+                     f"parameters {sorted(parameters)} could not be set, so your own values were used")
+        parameters = {}
     kw = dict(output_path=job["output"], cwd=job["cwd"], cell_timeout=job["cell_timeout"],
               total_timeout=job["total_timeout"])
     try:
@@ -59,6 +64,15 @@ def _execute(job: dict) -> dict:
     except NotebookError as e:
         return {"status": "grader_error", "message": f"the notebook could not be executed: {e}", "notes": notes}
     return {**describe(result), "notes": notes}
+
+
+def _has_parameters_cell(path: str) -> bool:
+    """Whether a cell is tagged `parameters` (a file that is no notebook: True, execute_notebook says why)."""
+    try:
+        cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+        return any("parameters" in c.get("metadata", {}).get("tags", []) for c in cells)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
 
 
 def describe(result: NotebookResult) -> dict:
