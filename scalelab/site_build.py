@@ -1,0 +1,379 @@
+"""Build the course website: execute each lab once (cached by content), render its page, run Sphinx.
+
+    scalelab site build                         # labs/*/ -> build/executed/<lab>/ -> site/_build/html
+    from scalelab.site_build import build_site
+    report = build_site()                       # SiteReport: where the HTML is, which labs ran or were reused
+
+1. Execute. Each lab's reference notebook runs with its lab.yaml grading parameters and limits in a working copy,
+   `build/executed/<lab>/` (runs, figures and traces land there, never in labs/). `executed.json` beside it keeps
+   the hash of the lab's files (hidden checks and past runs left out); a later build with the same hash reuses the
+   executed notebook instead of running it again (`force=True` runs it anyway). A lab that fails is reported with
+   its name, the failing cell and the executed copy, after the other labs have run.
+2. Stage. `site/` is copied to `build/site/src/` with, per lab, `labs/<lab>.ipynb`: the executed notebook with every
+   exercise solution replaced by `# YOUR CODE HERE` (outputs kept, so the page shows the plots but not the answers),
+   papermill's injected cell, `record()` outputs and widget views removed; `_student/<lab>.zip`: the student copy
+   (`scalelab labs release`); `labs/index.md` and `_labs.json` (what the `{lab}` role in site pages links to).
+   Unchanged files are not rewritten, so Sphinx rebuilds only what changed.
+3. Sphinx (myst-nb reads the notebooks, no execution) with warnings as errors into `site/_build/html`.
+"""
+from __future__ import annotations
+
+import copy
+import fcntl
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import ScalelabError
+from .grade.lab import NOTEBOOK, Lab, find_labs, load_lab, student_files
+from .grade.release import BEGIN, END, release_lab, repo_root, student_notebook
+
+ROOT = repo_root()
+SITE_SRC = ROOT / "site"
+HTML_OUT = SITE_SRC / "_build" / "html"
+EXECUTED = ROOT / "build" / "executed"
+STAGE = ROOT / "build" / "site"
+CACHE_VERSION = "1"
+"""Part of every lab hash: bump it when the way labs are executed changes, so old copies are not reused."""
+STAMP = "executed.json"
+HIDDEN = "# YOUR CODE HERE"
+RECORD_MIME = "application/vnd.scalelab.record+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+DROP_TAGS = {"papermill-error-cell-tag"}  # papermill's injected cell stays: it shows what the page ran with
+RUN_METADATA = ("papermill", "execution", "scalelab", "widgets")
+
+
+class SiteBuildError(ScalelabError):
+    """The site could not be built; the message says which lab or page and what to do."""
+
+
+class LabExecutionFailed(SiteBuildError):
+    """One or more labs did not execute to the end; `failures` maps lab name to its message."""
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = dict(failures)
+        names = ", ".join(failures)
+        body = "\n\n".join(f"--- lab {name} ---\n{msg}" for name, msg in failures.items())
+        super().__init__(f"{len(failures)} lab(s) failed to execute: {names}\n{body}\n\nFix the lab, then run "
+                         f"`scalelab site build` again (labs that executed are reused).")
+
+
+@dataclass
+class ExecutedLab:
+    """A lab's executed reference notebook and how it was obtained."""
+
+    name: str
+    notebook: Path
+    """The executed notebook (papermill's output, solutions still in)."""
+    source_hash: str
+    reused: bool
+    """True when an up-to-date executed copy from an earlier build was used."""
+    duration_s: float
+    """How long the execution took (when it ran, then or in the build that made the reused copy)."""
+
+
+@dataclass
+class SiteReport:
+    """What `build_site` did."""
+
+    html: Path
+    labs: list[ExecutedLab] = field(default_factory=list)
+    sphinx_s: float = 0.0
+
+
+def lab_hash(lab_dir: str | Path) -> str:
+    """Hash of what a lab's execution depends on: its student files' names and bytes (lab.yaml included)."""
+    root = Path(lab_dir)
+    h = hashlib.sha256(f"scalelab-site {CACHE_VERSION}\n".encode())
+    for rel in student_files(root):
+        h.update(rel.as_posix().encode() + b"\0")
+        h.update((root / rel).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def ensure_executed(lab_dir: str | Path, executed_root: str | Path = EXECUTED, force: bool = False) -> ExecutedLab:
+    """The executed notebook of a lab, executed now unless an up-to-date copy exists; LabExecutionFailed if it fails.
+
+    Lab tests may call this too, so that a CI run executes each lab once for both the tests and the site.
+    """
+    lab = load_lab(lab_dir)
+    work = Path(executed_root) / lab.name
+    digest = lab_hash(lab.path)
+    stamp = _read_stamp(work / STAMP)
+    if not force and stamp.get("hash") == digest and (work / NOTEBOOK).is_file():
+        return ExecutedLab(lab.name, work / NOTEBOOK, digest, True, float(stamp.get("duration_s", 0.0)))
+    return _execute(lab, work, digest)
+
+
+def _execute(lab: Lab, work: Path, digest: str) -> ExecutedLab:
+    from .grade.execute import NotebookError, execute_notebook
+    if work.exists():
+        shutil.rmtree(work)  # runs from an older version of the lab must not linger
+    work.mkdir(parents=True)
+    for rel in student_files(lab.path):
+        if rel != Path(NOTEBOOK):
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lab.path / rel, work / rel)
+    g = lab.grading
+    try:
+        result = execute_notebook(lab.notebook, g.parameters, output_path=work / NOTEBOOK, cwd=work,
+                                  cell_timeout=g.cell_timeout_s, total_timeout=g.total_timeout_s)
+    except NotebookError as e:  # a bad call: lab.yaml names a parameter the notebook lacks, ...
+        raise LabExecutionFailed({lab.name: str(e)}) from None
+    if not result.ok:
+        raise LabExecutionFailed({lab.name: f"{result.error.details()}\nexecuted copy: {result.output_path}"})
+    stamp = {"hash": digest, "lab": lab.name, "parameters": g.parameters, "duration_s": round(result.duration_s, 1),
+             "executed_at": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    _write_if_changed(work / STAMP, json.dumps(stamp, indent=1) + "\n")
+    return ExecutedLab(lab.name, work / NOTEBOOK, digest, False, result.duration_s)
+
+
+def _read_stamp(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def hide_solutions(source: str, where: str = "cell") -> tuple[str, int]:
+    """`source` with each `# BEGIN SOLUTION` ... `# END SOLUTION` block replaced by one `# YOUR CODE HERE` line."""
+    out, indent, blocks = [], None, 0
+    for number, line in enumerate(source.splitlines(keepends=True), 1):
+        begin, end = BEGIN.match(line), END.match(line)
+        if begin:
+            if indent is not None:
+                raise SiteBuildError(f"{where}, line {number}: BEGIN SOLUTION inside another solution block")
+            indent = begin.group(1)
+        elif end:
+            if indent is None:
+                raise SiteBuildError(f"{where}, line {number}: END SOLUTION without a BEGIN SOLUTION before it")
+            out.append(f"{indent}{HIDDEN}" + ("\n" if line.endswith("\n") else ""))
+            indent, blocks = None, blocks + 1
+        elif indent is None:
+            out.append(line)
+    if indent is not None:
+        raise SiteBuildError(f"{where}: BEGIN SOLUTION is never closed by an END SOLUTION; a page must not show "
+                             "half a solution")
+    return "".join(out), blocks
+
+
+def lab_page(executed: dict, lab: Lab, download: str | None = None) -> dict:
+    """The notebook a lab's page is rendered from: solutions hidden, outputs kept, grader plumbing removed."""
+    nb = copy.deepcopy(executed)
+    cells = []
+    for index, cell in enumerate(nb.get("cells", [])):
+        meta = cell.setdefault("metadata", {})
+        if DROP_TAGS & set(meta.get("tags", [])):
+            continue
+        for key in RUN_METADATA:
+            meta.pop(key, None)
+        if cell.get("cell_type") == "code":
+            source = _text(cell.get("source", ""))
+            cell["source"], _ = hide_solutions(source, f"{lab.name}/{NOTEBOOK}: cell {index} (id {cell.get('id')!r})")
+            cell["outputs"] = [o for o in map(_page_output, cell.get("outputs", [])) if o is not None]
+        cells.append(cell)
+    nb["cells"] = _with_note(cells, _note(lab, download))
+    for key in RUN_METADATA:
+        nb.setdefault("metadata", {}).pop(key, None)
+    return nb
+
+
+def _text(source) -> str:
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _page_output(output: dict) -> dict | None:
+    """An output as the page shows it: records (the grader's channel) dropped, widget views left to their text."""
+    data = output.get("data")
+    if data is None:
+        return output
+    if RECORD_MIME in data:
+        return None
+    if WIDGET_MIME in data:
+        data = {k: v for k, v in data.items() if k != WIDGET_MIME}
+        if not data:
+            return None
+        output["data"] = data
+    return output
+
+
+def _note(lab: Lab, download: str | None) -> str:
+    params = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in lab.grading.parameters.items()) or "its defaults"
+    lines = [":::{note}",
+             f"**Time:** about {lab.minutes} minutes." if lab.minutes else "",
+             "This page is the reference notebook, executed on a CPU when the site was built, with the small "
+             f"parameters the course's tests use ({params}). The exercise solutions are replaced by "
+             f"`{HIDDEN}`; their outputs are left in, so you can compare your numbers.",
+             f"{{download}}`Download the lab <{download}>` (notebook and self-checks) or open it on the course hub; "
+             "[Setup](../setup.md) says how." if download else "[Setup](../setup.md) says how to run it yourself.",
+             ":::"]
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def _with_note(cells: list[dict], note: str) -> list[dict]:
+    """Put `note` right under the notebook's title (or first, when it has none)."""
+    note_cell = {"cell_type": "markdown", "id": "scalelab-site-note", "metadata": {}, "source": note}
+    if cells and cells[0].get("cell_type") == "markdown":
+        first = _text(cells[0].get("source", ""))
+        title, sep, rest = first.partition("\n")
+        if title.startswith("# "):
+            head = {**cells[0], "source": title + "\n"}
+            tail = [{**cells[0], "id": f"{cells[0].get('id', 'intro')}-body", "source": rest}] if rest.strip() else []
+            return [head, note_cell, *tail, *cells[1:]]
+    return [note_cell, *cells]
+
+
+def student_zip(lab_dir: Path) -> bytes:
+    """The student copy of a lab (`scalelab labs release`) as a zip with fixed timestamps (same lab, same bytes)."""
+    with tempfile.TemporaryDirectory(prefix="scalelab-site-") as tmp:
+        out = Path(tmp) / lab_dir.name
+        release_lab(lab_dir, out)
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in sorted(p for p in out.rglob("*") if p.is_file()):
+                info = zipfile.ZipInfo(f"{lab_dir.name}/{path.relative_to(out).as_posix()}", (2020, 1, 1, 0, 0, 0))
+                info.external_attr = 0o644 << 16
+                zf.writestr(info, path.read_bytes(), zipfile.ZIP_DEFLATED)
+        return buf.getvalue()
+
+
+def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]]) -> Path:
+    """Write the Sphinx source tree: site/ plus one page and one download per (lab, executed notebook)."""
+    src = stage_dir / "src"
+    wanted: set[Path] = set()
+
+    def put(rel: str | Path, content: str | bytes) -> None:
+        wanted.add(src / rel)
+        _write_if_changed(src / rel, content)
+
+    for path in sorted(site_src.rglob("*")):
+        rel = path.relative_to(site_src)
+        if path.is_file() and rel.parts[0] != "_build" and "__pycache__" not in rel.parts:
+            put(rel, path.read_bytes())
+    entries = {}
+    for lab, executed in labs:
+        download = f"../_student/{lab.name}.zip"
+        put(f"_student/{lab.name}.zip", student_zip(lab.path))
+        page = lab_page(json.loads(executed.read_text(encoding="utf-8")), lab, download)
+        put(f"labs/{lab.name}.ipynb", json.dumps(page, indent=1, ensure_ascii=False) + "\n")
+        entries[lab.name.split("_")[0]] = {"doc": f"labs/{lab.name}", "title": lab.title, "minutes": lab.minutes}
+    put("labs/index.md", labs_index([lab for lab, _ in labs]))
+    put("_labs.json", json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    for path in sorted(src.rglob("*"), reverse=True):  # a page removed from site/ or a lab removed from labs/
+        if path.is_file() and path not in wanted:
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+    return src
+
+
+def labs_index(labs: list[Lab]) -> str:
+    """The labs overview page (Markdown): a table with time and goals, and the toctree of lab pages."""
+    lines = ["# Labs", "",
+             "Each lab is a Jupyter notebook: teaching text, short cells that call the `scalelab` library, exercises "
+             "and self-checks. The pages below show each lab executed on a CPU at small sizes, with its plots; the "
+             "exercise solutions are hidden. Run them yourself on a laptop or on the course hub "
+             "([Setup](../setup.md)).", ""]
+    if not labs:
+        lines += ["No labs are published yet.", ""]
+    else:
+        lines += ["| Lab | Time | You will |", "|---|---|---|"]
+        for lab in labs:
+            goals = "; ".join(g.rstrip(".") for g in lab.goals[:3]) + ("; ..." if len(lab.goals) > 3 else "")
+            minutes = f"{lab.minutes} min" if lab.minutes else ""
+            lines.append(f"| [{lab.title}]({lab.name}.ipynb) | {minutes} | {goals} |")
+        lines.append("")
+    lines += ["```{toctree}", ":hidden:", ":maxdepth: 1", "", *[lab.name for lab in labs], "```", ""]
+    return "\n".join(lines)
+
+
+def run_sphinx(src: Path, out: Path, doctrees: Path) -> float:
+    """sphinx-build (HTML, warnings are errors) from `src` into `out`; SiteBuildError with Sphinx's messages."""
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-d", str(doctrees),
+           str(src), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SiteBuildError(f"sphinx-build failed (exit {proc.returncode}); the page named in each message is "
+                             f"under {src} (site/ or a generated lab page):\n{(proc.stderr or proc.stdout)[-6000:]}")
+    return time.monotonic() - start
+
+
+def build_site(labs_root: str | Path | None = None, site_src: str | Path = SITE_SRC, out: str | Path = HTML_OUT,
+               executed_root: str | Path = EXECUTED, stage_dir: str | Path = STAGE, only: list[str] | None = None,
+               force: bool = False, progress: Callable[[str], None] = lambda msg: None) -> SiteReport:
+    """Execute (or reuse) every lab, stage the pages and build the HTML; see the module docstring."""
+    labs_root = Path(labs_root) if labs_root else ROOT / "labs"
+    site_src, out, stage_dir = Path(site_src), Path(out), Path(stage_dir)
+    if not (site_src / "conf.py").is_file():
+        raise SiteBuildError(f"{site_src} has no conf.py: it is not the site's Sphinx source")
+    dirs = find_labs(labs_root)
+    if only:
+        unknown = sorted(set(only) - {d.name for d in dirs})
+        if unknown:
+            raise SiteBuildError(f"no lab(s) {unknown} under {labs_root}; labs there: {[d.name for d in dirs]}")
+        dirs = [d for d in dirs if d.name in only]
+    with _lock(stage_dir.parent / f".{stage_dir.name}.lock"):
+        report, failures, staged = SiteReport(out), {}, []
+        for d in dirs:
+            progress(f"lab {d.name}: executing (or reusing an up-to-date copy)")
+            try:
+                done = ensure_executed(d, executed_root, force)
+            except LabExecutionFailed as e:
+                failures.update(e.failures)
+                progress(f"lab {d.name}: FAILED")
+                continue
+            progress(f"lab {d.name}: {'reused' if done.reused else 'executed'} ({done.duration_s:.0f} s)")
+            report.labs.append(done)
+            staged.append((load_lab(d), done.notebook))
+        if failures:
+            raise LabExecutionFailed(failures)
+        src = stage(site_src, stage_dir, staged)
+        progress(f"sphinx: {src} -> {out}")
+        report.sphinx_s = run_sphinx(src, out, stage_dir / "doctrees")
+    return report
+
+
+@contextmanager
+def _lock(path: Path):
+    """One build at a time in a checkout (engineers and a test may build at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write_if_changed(path: Path, content: str | bytes) -> None:
+    """Write atomically, and only when the bytes differ (Sphinx rebuilds what has a new mtime)."""
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    if path.is_file() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def report_dict(report: SiteReport) -> dict:
+    """The report as JSON data (`scalelab site build --json`)."""
+    return {"html": str(report.html), "sphinx_s": round(report.sphinx_s, 1),
+            "labs": [{**asdict(lab), "notebook": str(lab.notebook)} for lab in report.labs]}
+
+
+__all__ = ["SiteBuildError", "LabExecutionFailed", "ExecutedLab", "SiteReport", "lab_hash", "ensure_executed",
+           "hide_solutions", "lab_page", "student_zip", "stage", "labs_index", "run_sphinx", "build_site",
+           "report_dict", "SITE_SRC", "HTML_OUT", "EXECUTED", "STAGE", "HIDDEN"]
