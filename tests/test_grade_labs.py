@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scalelab.grade.grader import GradeOptions, grade
-from scalelab.grade.lab import load_lab
+from scalelab.grade.lab import load_lab, student_files
 from scalelab.grade.release import release_lab
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,13 +38,14 @@ def test_lab_releases_cleanly_and_has_its_grading_files(lab, tmp_path):
 @pytest.mark.slow
 @labs
 def test_reference_grades_full_marks_and_student_copy_does_not(lab, tmp_path):
-    release_lab(lab, tmp_path / "student" / lab.name)
+    # Both as submitted folders: the reference with its solved modules, the student copy as released.
     subs = tmp_path / "submissions"
-    subs.mkdir()
-    shutil.copyfile(lab / "lab.ipynb", subs / "reference.ipynb")
-    shutil.copyfile(tmp_path / "student" / lab.name / "lab.ipynb", subs / "student_copy.ipynb")
-    batch = grade(lab, [subs / "reference.ipynb", subs / "student_copy.ipynb"], tmp_path / "out",
-                  GradeOptions(jobs=2))
+    (subs / "reference").mkdir(parents=True)
+    for rel in student_files(lab):
+        (subs / "reference" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lab / rel, subs / "reference" / rel)
+    release_lab(lab, subs / "student_copy")
+    batch = grade(lab, [subs / "reference", subs / "student_copy"], tmp_path / "out", GradeOptions(jobs=2))
     by = {r.student: r for r in batch.results}
     assert by["reference"].max_score > 0, f"{lab.name} has no checks with points"
     assert by["reference"].percent == 100, _why(by["reference"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,28 @@ def test_each_run_outcome_has_its_own_message_for_the_student(status, execution,
     result = SubmissionResult("s", "90_fixture", "s.ipynb", status, "", sandbox={"memory": "3072 MiB via rlimit"})
     raw = {"malformed": "/tmp/job/work/lab.ipynb: not valid JSON (line 1)", "grader_error": "boom"}.get(status, "")
     assert grader.student_message(status, execution, raw, ctx, result).startswith(expected)
+
+
+def test_working_copy_takes_modules_from_a_submitted_folder_but_checks_from_the_lab(tmp_path):
+    from scalelab.grade.job import working_copy
+    lab_dir = tmp_path / "lab"
+    shutil.copytree(LAB, lab_dir)
+    (lab_dir / "stats.py").write_text("def mean(xs):\n    # BEGIN SOLUTION\n    return sum(xs) / len(xs)\n"
+                                      "    # END SOLUTION\n")
+    (lab_dir / "data.txt").write_text("shipped")
+    lab = load_lab(lab_dir)
+    own = tmp_path / "alice"
+    own.mkdir()
+    (own / "stats.py").write_text("def mean(xs):\n    return 0\n")
+    (own / "checks.py").write_text("# the student's edited checks: never used")
+    os.symlink("/etc/hostname", own / "data.txt")  # a link is never followed
+    single, folder = tmp_path / "job1", tmp_path / "job2"
+    assert working_copy(lab, single) == []
+    assert working_copy(lab, folder, own) == ["stats.py"]
+    assert "NotImplementedError" in (single / "work" / "stats.py").read_text()  # a lone notebook: released module
+    assert (folder / "work" / "stats.py").read_text() == "def mean(xs):\n    return 0\n"
+    for job in (single, folder):
+        assert (job / "work" / "checks.py").read_text() == (LAB / "checks.py").read_text()
+        assert (job / "work" / "data.txt").read_text() == "shipped"
+        assert not (job / "work" / "hidden_checks.py").exists()
+        assert {p.name for p in job.iterdir()} == {"work", "home", "tmp", "out"}

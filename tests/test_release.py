@@ -69,6 +69,8 @@ def _lab_with_runs(tmp_path) -> Path:
     (lab / "__pycache__" / "checks.cpython-311.pyc").write_bytes(b"x")
     (lab / "data").mkdir()
     (lab / "data" / "table.csv").write_text("a,b\n")
+    (lab / "my_average.py").write_text("def average(xs):\n    # BEGIN SOLUTION\n    return sum(xs) / len(xs)\n"
+                                      "    # END SOLUTION\n")
     return lab
 
 
@@ -76,14 +78,17 @@ def test_release_lab_writes_only_what_students_may_have(tmp_path):
     lab = _lab_with_runs(tmp_path)
     report = release_lab(lab, tmp_path / "student" / "07_demo")
     out = report.out
-    assert sorted(report.files) == ["README.md", "checks.py", "data/table.csv", "lab.ipynb", "lab.yaml"]
+    assert sorted(report.files) == ["README.md", "checks.py", "data/table.csv", "lab.ipynb", "lab.yaml",
+                                    "my_average.py"]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == sorted(report.files)
     assert "hidden_checks.py" in report.left_out and "out/fit/events/rank-0.jsonl" in report.left_out
     assert "solutions/answers.md" in report.left_out
     nb = json.loads((out / "lab.ipynb").read_text())
     text = json.dumps(nb)
-    assert report.exercises == 2 and "SOLUTION" not in text and "w -= lr" not in text
+    assert report.exercises == 3 and "SOLUTION" not in text and "w -= lr" not in text
     assert text.count("NotImplementedError") == 2
+    module = (out / "my_average.py").read_text()  # exercises in modules are stripped too
+    assert module == 'def average(xs):\n    # YOUR CODE HERE\n    raise NotImplementedError("exercise")\n'
     assert (out / "checks.py").read_text() == (lab / "checks.py").read_text()
     assert oct(out.stat().st_mode & 0o777) == "0o755"
 

@@ -198,7 +198,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     job = Path(tempfile.mkdtemp(prefix=f"{sub.student[:40]}-", dir=ctx.base))
     result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
     problem = copy_submission(sub.path, job / "work")
-    working_copy(ctx.lab, job)
+    own = sub.path.parent if sub.path.name == NOTEBOOK else None  # <student>/lab.ipynb: the folder is theirs
+    taken = working_copy(ctx.lab, job, own)
     shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
     policy = SandboxPolicy(memory_mb=opts.memory_mb or settings.memory_mb,
                            network=settings.network if opts.network is None else opts.network,
@@ -209,6 +210,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
         plan = SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
                                                      "unconfined as the grader's user"])
     result.sandbox = plan.describe()
+    if taken:
+        result.notes.append(f"your own versions of {taken} were used")
     try:
         if problem:
             outcome = {"status": "malformed", "message": problem}

@@ -1,7 +1,8 @@
 """One submission's job folder and its sandboxed run: what the grader does around `scalelab.grade.runner`.
 
     job/                 0700, owned by the run's throwaway uid; its parent is root's 0711 batch folder
-      work/              the lab as a student has it (`lab.student_files`) + the submission as lab.ipynb
+      work/              the lab as a student has it (released versions, or the student's own from a submitted
+                         folder) + the submission as lab.ipynb
       home/ tmp/         HOME and TMPDIR of the run
       out/lab.ipynb      the executed notebook (untrusted: read back with `untrusted`)
       job.json           what the runner must do; outcome.json: what it says happened (untrusted)
@@ -16,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .lab import NOTEBOOK, GradingError, Lab, find_labs, student_files
+from .lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
+from .release import DEFAULT_LABS, repo_root, student_file
 from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
@@ -41,16 +43,36 @@ def copy_submission(path: Path, work: Path) -> str | None:
     return None
 
 
-def working_copy(lab: Lab, job: Path) -> None:
-    """The lab as a student has it (no hidden checks, no solutions), around the submission; HOME and TMPDIR."""
-    work = job / "work"
+def working_copy(lab: Lab, job: Path, own: Path | None = None) -> list[str]:
+    """The lab as a student has it (solutions replaced, no hidden checks) around the submission; HOME, TMPDIR.
+
+    With `own` (a submitted folder), the student's versions of the lab's other files (e.g. a module with an
+    exercise) are used instead, except checks.py and lab.yaml, which always come from the lab. Returns the
+    files taken from the student."""
+    work, taken = job / "work", []
     for rel in student_files(lab.path):
         if rel == Path(NOTEBOOK):
             continue
-        (work / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(lab.path / rel, work / rel)
+        target = work / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        mine = _own_file(own, rel) if own is not None and rel.name not in (CHECKS, SETTINGS) else None
+        if mine is not None:
+            shutil.copyfile(mine, target)
+            taken.append(rel.as_posix())
+        else:
+            target.write_bytes(student_file(lab.path, rel)[0])
     for name in ("home", "tmp", "out"):
         (job / name).mkdir()
+    return taken
+
+
+def _own_file(own: Path, rel: Path) -> Path | None:
+    """The student's regular file `rel` inside `own` (no link leading out of it), or None."""
+    path = own / rel
+    root = os.path.realpath(own)
+    if path.is_symlink() or not path.is_file() or not os.path.realpath(path).startswith(root + os.sep):
+        return None
+    return path if path.stat().st_size <= MAX_SUBMISSION_BYTES else None
 
 
 def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float, total: float,
@@ -120,7 +142,6 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
     """What a submission must not see: the reference lab and its siblings, .git, other submissions, the grades."""
     cands = {lab.path, out, *[Path(p).resolve() for p in extra]}
     cands.update(find_labs(lab.path.parent))
-    from .release import DEFAULT_LABS, repo_root
     cands.update(find_labs(DEFAULT_LABS))
     for root in {repo_root(), git_root(lab.path)}:
         if root is not None and (root / ".git").exists():

@@ -3,7 +3,8 @@
     scalelab labs release                    # every labs/*/ into build/student/labs/ (what the hub hands out)
     scalelab labs release 01_ddp --out DIR
 
-In a code cell, the lines from `# BEGIN SOLUTION` to `# END SOLUTION` (both included) become, at the
+In a code cell of the notebook, and in any Python module of the lab (worker code lives in modules, so
+exercises can too), the lines from `# BEGIN SOLUTION` to `# END SOLUTION` (both included) become, at the
 indentation of the BEGIN line:
 
     # YOUR CODE HERE
@@ -104,6 +105,20 @@ def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
     return nb, total
 
 
+def student_file(lab_dir: str | Path, rel: str | Path) -> tuple[bytes, int]:
+    """The student version of one lab file and its solution blocks replaced: notebooks (also outputs stripped)
+    and Python modules (worker code lives in modules, so exercises do too) are stripped; others are as is."""
+    path, rel = Path(lab_dir) / rel, Path(rel)
+    where = f"{Path(lab_dir).name}/{rel.as_posix()}"
+    if rel.suffix == ".ipynb":
+        nb, blocks = student_notebook(json.loads(path.read_text(encoding="utf-8")), where)
+        return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode("utf-8"), blocks
+    if rel.suffix == ".py":
+        text, blocks = strip_solutions(path.read_text(encoding="utf-8"), where)
+        return text.encode("utf-8"), blocks
+    return path.read_bytes(), 0
+
+
 def release_lab(lab_dir: str | Path, out_dir: str | Path) -> ReleaseReport:
     """Write the student copy of one lab into `out_dir` (replacing what was there)."""
     lab_dir, out_dir = Path(lab_dir).resolve(), Path(out_dir).resolve()
@@ -112,23 +127,21 @@ def release_lab(lab_dir: str | Path, out_dir: str | Path) -> ReleaseReport:
     if out_dir == lab_dir or lab_dir in out_dir.parents or out_dir in lab_dir.parents:
         raise ReleaseError(f"the student copy {out_dir} would overwrite or contain the reference lab {lab_dir}; "
                            "pick another --out")
-    nb = json.loads((lab_dir / NOTEBOOK).read_text(encoding="utf-8"))
-    student_nb, exercises = student_notebook(nb, f"{lab_dir.name}/{NOTEBOOK}")
-    report = ReleaseReport(lab_dir.name, out_dir, exercises)
-    kept = set(student_files(lab_dir))
+    report = ReleaseReport(lab_dir.name, out_dir)
+    kept = student_files(lab_dir)
     report.left_out = sorted(str(p.relative_to(lab_dir)) for p in lab_dir.rglob("*")
-                             if p.is_file() and p.relative_to(lab_dir) not in kept)
+                             if p.is_file() and p.relative_to(lab_dir) not in set(kept))
+    versions = {rel: student_file(lab_dir, rel) for rel in kept}  # every marker checked before anything is written
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        for rel in student_files(lab_dir):
+        for rel, (data, blocks) in versions.items():
             target = staging / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            if rel == Path(NOTEBOOK):
-                target.write_text(json.dumps(student_nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-            else:
-                shutil.copy2(lab_dir / rel, target)
+            target.write_bytes(data)
+            shutil.copymode(lab_dir / rel, target)
             report.files.append(str(rel))
+            report.exercises += blocks
         staging.chmod(0o755)  # mkdtemp makes it 0700; students (other users) must read it
         if out_dir.exists():
             shutil.rmtree(out_dir)  # a file left out now (renamed, made private) must not linger from last time
@@ -163,5 +176,5 @@ def resolve_lab(name: str | Path, labs_root: str | Path = DEFAULT_LABS) -> Path:
                        f"(labs there: {known})")
 
 
-__all__ = ["ReleaseError", "ReleaseReport", "strip_solutions", "student_notebook", "release_lab", "release_labs",
+__all__ = ["ReleaseError", "ReleaseReport", "strip_solutions", "student_notebook", "student_file", "release_lab", "release_labs",
            "resolve_lab", "DEFAULT_LABS", "DEFAULT_OUT", "PLACEHOLDER"]
