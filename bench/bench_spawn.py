@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -92,6 +93,30 @@ def concurrent(hub, n: int) -> tuple[list[float], list[str], float]:
     return times, errors, wall
 
 
+_STAMP = r"\[I (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) "
+
+
+def phases(log_text: str, user: str) -> dict:
+    """Median seconds per phase of `user`'s spawns, from the hub log: submit → port reported (Slurm starts the
+    job, the wrapper reports) → server listening (JupyterLab starts)."""
+    from datetime import datetime
+
+    def stamps(pattern: str) -> list[float]:
+        out = []
+        for m in re.finditer(_STAMP + r".*" + pattern, log_text):
+            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp())
+        return out
+
+    submit = stamps(rf"Submitted job \d+ for {user} ")
+    port = stamps(rf"POST /hub/api/batchspawner \({user}@")
+    serving = stamps(rf"Job \d+ of {user} serves at")
+    n = min(len(submit), len(port), len(serving))
+    if not n:
+        return {}
+    return {"submit_to_port_s": round(statistics.median(port[i] - submit[i] for i in range(n)), 2),
+            "port_to_listening_s": round(statistics.median(serving[i] - port[i] for i in range(n)), 2)}
+
+
 def summary(times: list[float]) -> dict:
     if not times:
         return {"n": 0}
@@ -107,22 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     cluster = LocalCluster().up()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="bench-spawn-") as tmp:
         hub = HubRunner(tmp, mode="slurm", settings=slurm_settings(cluster, "", [PROFILE]))
         try:
             hub.start()
             seq = sequential(hub, args.runs)
             conc, errors, wall = concurrent(hub, args.concurrent)
+            seq_phases = phases(hub.log_path.read_text(errors="replace"), hub.user("seq"))
         finally:
             hub.cleanup()
     s_seq, s_conc = summary(seq), summary(conc)
     result = {
         "benchmark": "hub spawn→ready on the local single-node Slurm (scalelab hub, slurm mode, REST API)",
         "command": "python bench/bench_spawn.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_at_start": load_start,
                     "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "hub": {"poll_min_s": 0.5, "poll_max_s": 5.0, "wrapper": "python -m scalelab.hub.singleuser"},
-        "sequential": s_seq,
+        "sequential": {**s_seq, "phases_median": seq_phases},
         "concurrent": {**s_conc, "requested": args.concurrent, "succeeded": len(conc),
                        "success_rate": round(len(conc) / args.concurrent, 3), "wall_s": round(wall, 2),
                        "errors": errors},
