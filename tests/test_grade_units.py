@@ -273,3 +273,14 @@ def test_working_copy_takes_modules_from_a_submitted_folder_but_checks_from_the_
         assert (job / "work" / "data.txt").read_text() == "shipped"
         assert not (job / "work" / "hidden_checks.py").exists()
         assert {p.name for p in job.iterdir()} == {"work", "home", "tmp", "out"}
+
+
+def test_grade_and_labs_release_cli_surface_is_frozen():
+    """What docs/grading.md and course handouts promise."""
+    from scalelab.cli import build_parser
+    commands = build_parser()._subparsers._group_actions[0].choices
+    flags = {opt for a in commands["grade"]._actions for opt in a.option_strings}
+    assert {"-j", "--jobs", "--out", "--set", "--cell-timeout", "--total-timeout", "--memory-mb", "--allow-network",
+            "--no-sandbox", "--hide", "--workdir", "--keep-workdirs", "--json"} <= flags
+    release = commands["labs"]._subparsers._group_actions[0].choices["release"]
+    assert {"--out", "--labs-root"} <= {opt for a in release._actions for opt in a.option_strings}
