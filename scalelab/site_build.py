@@ -334,7 +334,8 @@ def build_site(labs_root: str | Path | None = None, site_src: str | Path = SITE_
                 failures.update(e.failures)
                 progress(f"lab {d.name}: FAILED")
                 continue
-            progress(f"lab {d.name}: {'reused' if done.reused else 'executed'} ({done.duration_s:.0f} s)")
+            how = "reused (it had executed in" if done.reused else "executed (in"
+            progress(f"lab {d.name}: {how} {done.duration_s:.0f} s)")
             report.labs.append(done)
             staged.append((load_lab(d), done.notebook))
         if failures:
