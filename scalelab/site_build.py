@@ -288,14 +288,20 @@ def labs_index(labs: list[Lab]) -> str:
     if not labs:
         lines += ["No labs are published yet.", ""]
     else:
-        lines += ["| Lab | Time | You will |", "|---|---|---|"]
+        lines += ["| | Lab | Time | You will |", "|---|---|---|---|"]
         for lab in labs:
-            goals = "; ".join(g.rstrip(".") for g in lab.goals[:3]) + ("; ..." if len(lab.goals) > 3 else "")
+            goals = "; ".join(_lower_first(g.rstrip(".")) for g in lab.goals[:3])
+            goals += "; ..." if len(lab.goals) > 3 else ""
             minutes = f"{lab.minutes} min" if lab.minutes else ""
-            lines.append(f"| [{lab.title}]({lab.name}.ipynb) | {minutes} | {goals} |")
+            lines.append(f"| {lab.name.split('_')[0]} | [{lab.title}]({lab.name}.ipynb) | {minutes} | {goals} |")
         lines.append("")
     lines += ["```{toctree}", ":hidden:", ":maxdepth: 1", "", *[lab.name for lab in labs], "```", ""]
     return "\n".join(lines)
+
+
+def _lower_first(text: str) -> str:
+    """'Measure X' -> 'measure X' (a goal inside a sentence); 'DDP ...' stays."""
+    return text[:1].lower() + text[1:] if text[1:2].islower() else text
 
 
 def run_sphinx(src: Path, out: Path, doctrees: Path) -> float:

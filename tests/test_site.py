@@ -174,7 +174,8 @@ def test_staged_source_has_pages_and_downloads_but_no_hidden_checks_or_solutions
     assert (src / "conf.py").is_file() and (src / "labs" / "01_fixture.ipynb").is_file()
     assert json.loads((src / "_labs.json").read_text())["01"] == {
         "doc": "labs/01_fixture", "title": lab.title, "minutes": 5}
-    assert "[Fixture: a curve and an exercise](01_fixture.ipynb)" in (src / "labs" / "index.md").read_text()
+    assert ("| 01 | [Fixture: a curve and an exercise](01_fixture.ipynb) | 5 min | see a plot on the page; not see the "
+            "solution |") in (src / "labs" / "index.md").read_text()
     for path in src.rglob("*"):
         if path.is_file():
             data = path.read_bytes()

@@ -71,7 +71,8 @@ def crawl(site, server):
     from playwright.sync_api import sync_playwright
 
     html = site[1]
-    pages = sorted(p.relative_to(html).as_posix() for p in html.rglob("*.html") if p.parts[len(html.parts)] != "_static")
+    pages = sorted(p.relative_to(html).as_posix() for p in html.rglob("*.html")
+                   if p.relative_to(html).parts[0] != "_static")
     results, outside = {}, []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
