@@ -6,7 +6,7 @@ import time
 import pytest
 
 from scalelab.errors import LaunchError, RunFailed, RunTimeout
-from scalelab.launch.spmd import run_spmd
+from scalelab.launch.spmd import SpmdPool, run_spmd
 
 from helpers import processes_of
 
@@ -39,6 +39,9 @@ def not_json():
 
 def no_group():
     return dist.is_initialized()
+
+def pid():
+    return os.getpid()
 
 def horovod_sum():
     import horovod.torch as hvd
@@ -97,7 +100,7 @@ def test_a_result_that_is_not_json_fails_the_rank(targets):
 @pytest.mark.parametrize("target, kwargs, match", [
     ("no_colon", {}, "module:function"),
     ("spmd_targets:rank_sum", {"launcher": "srun"}, "launcher"),
-    ("spmd_targets:rank_sum", {"init": "nccl"}, "init"),
+    ("spmd_targets:rank_sum", {"init": "mpi"}, "init"),
     ("spmd_targets:rank_sum", {"world": 0}, "world"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(targets, target, kwargs, match):
@@ -121,3 +124,36 @@ def test_horovodrun_runs_the_function_under_horovod_gloo(targets):
 def test_mpirun_runs_the_function_under_horovod_mpi(targets):
     out = run_spmd("spmd_targets:horovod_sum", world=2, launcher="mpirun", init="none", run_dir=targets / "m")
     assert [(r["rank"], r["sum"], r["mpi"]) for r in out] == [(0, 2.0, True), (1, 2.0, True)]
+
+
+CHANGING = "import os\n\ndef value():\n    return [os.getpid(), {}]\n"
+
+
+def test_a_pool_runs_job_after_job_on_the_same_ranks_and_reloads_changed_modules(targets):
+    (targets / "spmd_changing.py").write_text(CHANGING.format(1))
+    with SpmdPool(world=2, threads=1, run_dir=targets / "p") as pool:
+        first = pool.run("spmd_changing:value")
+        assert pool.run("spmd_targets:rank_sum", offset=2)[1]["sum"] == 5.0
+        time.sleep(0.01)
+        (targets / "spmd_changing.py").write_text(CHANGING.format(2))  # a student edits a %%writefile cell
+        second = pool.run("spmd_changing:value")
+        procs = list(pool.procs)
+    assert [p for p, _ in first] == [p for p, _ in second]  # same processes
+    assert [v for _, v in first] == [1, 1] and [v for _, v in second] == [2, 2]
+    assert all(p.poll() is not None for p in procs) and processes_of(targets / "p") == []
+
+
+def test_a_failed_job_spends_the_pool_and_the_next_job_starts_fresh_ranks(targets):
+    with SpmdPool(world=2, threads=1, run_dir=targets / "p") as pool:
+        before = pool.run("spmd_targets:pid")
+        with pytest.raises(RunFailed, match="rank 1 is broken"):
+            pool.run("spmd_targets:raise_on_1")
+        assert not pool.alive
+        after = pool.run("spmd_targets:pid")
+        assert set(before).isdisjoint(after) and pool.dir.name == "restart-1"
+
+
+def test_a_reused_folder_does_not_replay_old_jobs(targets):
+    run_spmd("spmd_targets:rank_sum", world=2, kwargs={"offset": 5}, run_dir=targets / "same")
+    out = run_spmd("spmd_targets:rank_sum", world=2, kwargs={"offset": 0}, run_dir=targets / "same")
+    assert out[0]["sum"] == 1.0

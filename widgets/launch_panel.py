@@ -24,7 +24,7 @@ from scalelab.spec import LAUNCHERS, PRECISIONS, PRESETS, STRATEGIES, preset as 
 from ._plots import png_bytes, run_figure, run_series
 
 # form field -> RunSpec dotted field
-FIELDS = {"workers": "world.workers_per_node", "strategy": "strategy", "launcher": "launcher",
+FIELDS = {"workers": "world.workers_per_node", "nodes": "world.nodes", "strategy": "strategy", "launcher": "launcher",
           "batch": "optim.batch_per_worker", "lr": "optim.lr", "steps": "steps", "precision": "precision"}
 ACTIVE = ("pending", "running")
 
@@ -43,7 +43,8 @@ class LaunchPanel:
         self._seen = 0
         self._watcher: threading.Thread | None = None
         self.preset = W.Dropdown(options=list(PRESETS), value=preset, description="preset")
-        self.workers = W.BoundedIntText(min=1, max=1024, description="workers")
+        self.workers = W.BoundedIntText(min=1, max=1024, description="workers/node")
+        self.nodes = W.BoundedIntText(min=1, max=4096, description="nodes")
         self.strategy = W.Dropdown(options=list(STRATEGIES), description="strategy")
         self.launcher = W.Dropdown(options=list(LAUNCHERS), description="launcher")
         self.batch = W.BoundedIntText(min=1, max=1_000_000, description="batch/worker")
@@ -73,7 +74,7 @@ class LaunchPanel:
 
     def _load_preset(self, name: str) -> None:
         base = make_preset(name)
-        values = {"workers": base.world.workers_per_node, "strategy": base.strategy, "launcher": base.launcher,
+        values = {"workers": base.world.workers_per_node, "nodes": base.world.nodes, "strategy": base.strategy, "launcher": base.launcher,
                   "batch": base.optim.batch_per_worker, "lr": base.optim.lr, "steps": base.steps,
                   "precision": base.precision}
         for field, value in values.items():  # an override of a form field beats the preset (no check yet)
@@ -214,7 +215,7 @@ class LaunchPanel:
     @property
     def widget(self) -> W.Widget:
         """The panel's layout (form, buttons, status, plot)."""
-        form = W.VBox([self.preset, self.workers, self.strategy, self.launcher])
+        form = W.VBox([self.preset, self.workers, self.nodes, self.strategy, self.launcher])
         form2 = W.VBox([self.batch, self.lr, self.steps, self.precision])
         buttons = W.HBox([self.launch_button, self.stop_button])
         return W.VBox([W.HBox([form, form2]), self.message, buttons, self.status, self.plot])

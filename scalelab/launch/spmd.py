@@ -1,21 +1,28 @@
-"""Run one importable function on N local ranks and collect what each rank returns (SPMD experiments).
+"""Run importable functions on N local ranks and collect what each rank returns (SPMD experiments).
 
 Training runs go through a RunSpec and `launch()`; the labs also need small distributed experiments that are
 not a training run: time an allreduce, compare gradients averaged by hand with DDP's, check that replicas stay
-identical, try a Horovod port. `run_spmd` starts N ranks of `module:function`, each in its own process, and
-returns the list of their (JSON-able) return values, rank 0 first:
+identical, try a Horovod port. Two ways to run them:
 
-    from scalelab.launch.spmd import run_spmd
-    results = run_spmd("scalelab.experiments.collectives:allreduce_sweep", world=2,
-                       kwargs={"sizes": [1024, 1 << 20]}, timeout=60)
+    from scalelab.launch.spmd import SpmdPool, run_spmd
+    results = run_spmd("scalelab.experiments.collectives:allreduce_sweep", world=2, kwargs={"sizes": [1024]})
 
-- launcher "local": ranks get torchrun's variables and a gloo process group is ready when the function runs
-  (`init="gloo"`; `init="none"` leaves that to the function).
+    with SpmdPool(world=2) as pool:          # ranks start once, then run job after job
+        a = pool.run("scalelab.experiments.collectives:allreduce_sweep", sizes=[1024])
+        b = pool.run("my_average:check")     # a module the notebook wrote with %%writefile
+
+Each returns the list of the ranks' (JSON-able) return values, rank 0 first. A pool keeps its ranks, their
+imports and their process group between jobs, so a job costs what its function costs, not a Python and torch
+start-up per rank; a module that changed on disk since a rank imported it is reloaded before the next job.
+
+- launcher "local": ranks get torchrun's variables and a process group is ready when the function runs:
+  `init="gloo"` (default), `"nccl"` (each rank on cuda:<local rank>), `"auto"` (nccl where CUDA is available,
+  else gloo) or `"none"` (the function sets up what it needs).
 - launcher "horovodrun" (Gloo controller) or "mpirun" (MPI controller): the function calls `hvd.init()` itself.
 
-The function must live in an importable module (a spawned rank cannot see a notebook's globals); the caller's
-working directory is on the ranks' PYTHONPATH, so a module a notebook wrote with `%%writefile` imports too.
-A rank that raises writes its traceback; the first failure ends every rank and raises `RunFailed` naming it.
+Functions must live in importable modules (a spawned rank cannot see a notebook's globals); the caller's
+working directory is on the ranks' PYTHONPATH. A rank that raises writes its traceback; the first failure ends
+every rank of the pool and raises `RunFailed` naming it (the next job starts fresh ranks).
 """
 from __future__ import annotations
 
@@ -35,47 +42,144 @@ from .base import find_tool, start_process
 from .local import rank_env
 
 LAUNCHERS = ("local", "horovodrun", "mpirun")
-POLL_S = 0.05
+INITS = ("gloo", "nccl", "auto", "none")
+POLL_S = 0.02
 
 
 def run_spmd(target: str, world: int = 2, kwargs: dict | None = None, *, launcher: str = "local",
              init: str = "gloo", threads: int = 0, timeout: float = 120, run_dir: str | Path | None = None,
              env: dict | None = None) -> list:
-    """Run `target` ("module:function") on `world` ranks; returns each rank's return value, rank order.
+    """Run `target` ("module:function") once on `world` fresh ranks; returns each rank's value, rank order.
+
+    `timeout` covers everything, the ranks' start-up included."""
+    with SpmdPool(world, launcher=launcher, init=init, threads=threads, run_dir=run_dir, env=env,
+                  start_timeout=0) as pool:
+        return pool.run(target, timeout=timeout, **(kwargs or {}))
+
+
+class SpmdPool:
+    """N rank processes that run `module:function` jobs one after another; start lazily, `close()` to end.
 
     `threads`: torch intra-op threads per rank (0: this machine's CPUs shared among the ranks). `env` is added
     to every rank's environment after the enclosing run's distributed variables are scrubbed (so e.g.
-    HOROVOD_TIMELINE reaches the ranks). Output of rank r goes to `<run_dir>/rank-<r>.log`.
+    HOROVOD_TIMELINE reaches the ranks). Rank r's output goes to `<run_dir>/rank-<r>.log`.
     """
-    _check_args(target, world, launcher, init)
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="scalelab-spmd-")).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for old in run_dir.glob("result-*.json"):
-        old.unlink()
-    (run_dir / "job.json").write_text(json.dumps({"target": target, "kwargs": kwargs or {}, "init": init}))
-    threads = threads or max(1, (os.cpu_count() or 1) // world)
-    base = scrub_env()
-    base.update(env or {})
-    base["OMP_NUM_THREADS"] = str(threads)
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), base.get("PYTHONPATH", "")) if p)
-    procs = _start(launcher, world, run_dir, base, threads, sorted(env or {}))
-    return _collect(procs, world, run_dir, timeout, per_rank=launcher == "local")
+
+    def __init__(self, world: int = 2, *, launcher: str = "local", init: str = "gloo", threads: int = 0,
+                 run_dir: str | Path | None = None, env: dict | None = None, start_timeout: float = 120):
+        """`start_timeout`: seconds the first job may take on top of its own timeout, for the ranks to start."""
+        _check_args(world, launcher, init)
+        self.world, self.launcher, self.init, self.env = world, launcher, init, dict(env or {})
+        self.threads = threads or max(1, (os.cpu_count() or 1) // world)
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="scalelab-spmd-")).resolve()
+        self.start_timeout = start_timeout
+        self.procs: list = []
+        self._jobs = 0
+        self._generation = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """True while the ranks are up (started and none has exited)."""
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def start(self) -> "SpmdPool":
+        """Start the ranks (done by the first `run` anyway); returns self."""
+        if self.alive:
+            return self
+        self.close()
+        self._generation += 1
+        self._jobs = 0
+        d = self.dir
+        d.mkdir(parents=True, exist_ok=True)
+        for pattern in ("job-*", "result-*", "error-*", "stop"):  # a reused folder must not replay old jobs
+            for old in d.glob(pattern):
+                old.unlink()
+        (d / "pool.json").write_text(json.dumps({"init": self.init, "owner_pid": os.getpid()}))
+        base = scrub_env()
+        base.update(self.env)
+        base["OMP_NUM_THREADS"] = str(self.threads)
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), base.get("PYTHONPATH", "")) if p)
+        self.procs = _start(self.launcher, self.world, d, base, self.threads, sorted(self.env))
+        return self
+
+    @property
+    def dir(self) -> Path:
+        """This generation's folder (a pool restarted after a failure gets a fresh one)."""
+        return self.run_dir if self._generation <= 1 else self.run_dir / f"restart-{self._generation - 1}"
+
+    def close(self) -> None:
+        """Ask the ranks to leave, then end whatever is left of them."""
+        if not self.procs:
+            return
+        (self.dir / "stop").touch()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(POLL_S)
+        self._kill()
+
+    def _kill(self) -> None:
+        import psutil
+        live = []
+        for p in self.procs:
+            try:
+                live.append(psutil.Process(p.pid))
+            except psutil.NoSuchProcess:
+                pass
+        kill_processes(live)
+        for p in self.procs:
+            p.wait()
+        self.procs = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- jobs -----------------------------------------------------------------------------------------
+    def run(self, target: str, timeout: float = 120, **kwargs) -> list:
+        """Run `target(**kwargs)` on every rank; returns the ranks' values, rank 0 first."""
+        _check_target(target)
+        if not self.alive:
+            self.start()
+        i, d = self._jobs, self.dir
+        self._jobs += 1
+        _write(d / f"job-{i}.json", {"target": target, "kwargs": kwargs})
+        deadline = time.monotonic() + timeout + (self.start_timeout if i == 0 else 0)
+        try:
+            while True:
+                failure = _first_failure(self.procs, self.world, d, i, per_rank=self.launcher == "local")
+                if failure:
+                    raise RunFailed(failure[1], rank=failure[0], run_dir=str(d))
+                if all((d / f"result-{i}-{r}.json").exists() for r in range(self.world)):
+                    return [json.loads((d / f"result-{i}-{r}.json").read_text()) for r in range(self.world)]
+                if time.monotonic() > deadline:
+                    raise RunTimeout(f"SPMD job {target} not done after {timeout:g} s; see the rank logs in {d}")
+                time.sleep(POLL_S)
+        except BaseException:
+            self._kill()  # ranks may be stuck in a collective with a dead peer: the pool is spent
+            raise
 
 
-def _check_args(target, world, launcher, init):
+def _check_target(target):
     if not isinstance(target, str) or target.count(":") != 1:
         raise LaunchError(f"target {target!r} must be 'module:function', e.g. "
                           "'scalelab.experiments.collectives:allreduce_sweep'")
+
+
+def _check_args(world, launcher, init):
     if launcher not in LAUNCHERS:
         raise LaunchError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
-    if init not in ("gloo", "none"):
-        raise LaunchError(f"init {init!r} must be 'gloo' (a process group is ready) or 'none'")
+    if init not in INITS:
+        raise LaunchError(f"init {init!r} must be one of {', '.join(INITS)}: the process group made ready for "
+                          "the function ('none': the function makes its own)")
     if not isinstance(world, int) or world < 1:
         raise LaunchError(f"world {world!r} must be a positive number of ranks")
 
 
 def _rank_command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "scalelab.launch.spmd", "--job", str(run_dir)]
+    return [sys.executable, "-m", "scalelab.launch.spmd", "--pool", str(run_dir)]
 
 
 def _start(launcher, world, run_dir, base, threads, extra_vars):
@@ -98,41 +202,18 @@ def _start(launcher, world, run_dir, base, threads, extra_vars):
     return [start_process(full, base, run_dir / "launcher.log")]
 
 
-def _collect(procs, world, run_dir, timeout, per_rank):
-    import psutil
-    deadline = time.monotonic() + timeout
-    ps = [psutil.Process(p.pid) for p in procs]
-    try:
-        while True:
-            failure = _first_failure(procs, world, run_dir, per_rank)
-            if failure:
-                raise RunFailed(failure[1], rank=failure[0], run_dir=str(run_dir))
-            if all(p.poll() == 0 for p in procs):
-                return _results(world, run_dir)
-            if time.monotonic() > deadline:
-                raise RunTimeout(f"SPMD run in {run_dir} not done after {timeout:g} s; see the rank logs there")
-            time.sleep(POLL_S)
-    finally:
-        kill_processes(ps)
-        for p in procs:
-            p.wait()
-
-
 # gloo words for "a peer went away" that scalelab.worker.is_peer_failure does not list
 _PEER_WORDS = ("remote worker", "Read error", "Connection reset")
 
 
-def _first_failure(procs, world, run_dir, per_rank):
+def _first_failure(procs, world, run_dir, job, per_rank):
     """(rank, message) of the root cause, or None: a rank's own error first, then a rank that died without
     reporting, and only then errors that ranks saw because a peer had died."""
     errors = []
     for r in range(world):
-        path = run_dir / f"error-{r}.json"
+        path = run_dir / f"error-{job}-{r}.json"
         if path.exists():
-            try:
-                errors.append(json.loads(path.read_text()))
-            except json.JSONDecodeError:
-                continue  # half-written: read it on the next poll
+            errors.append(json.loads(path.read_text()))  # written atomically
     for e in errors:
         e["peer_failure"] = e["peer_failure"] or any(w in e["message"] for w in _PEER_WORDS)
     own = [e for e in errors if not e["peer_failure"]]
@@ -141,11 +222,11 @@ def _first_failure(procs, world, run_dir, per_rank):
     reported = {e["rank"] for e in errors}
     for i, p in enumerate(procs):
         code = p.poll()
-        if code not in (None, 0) and not (per_rank and i in reported):
+        if code is not None and not (per_rank and i in reported):
             if not errors:
                 time.sleep(0.2)  # its own error file may land just after the exit
-                if any((run_dir / f"error-{r}.json").exists() for r in range(world)):
-                    return _first_failure(procs, world, run_dir, per_rank)
+                if any((run_dir / f"error-{job}-{r}.json").exists() for r in range(world)):
+                    return _first_failure(procs, world, run_dir, job, per_rank)
             return _describe_exit(i, code, run_dir, per_rank)
     if errors:
         return _describe_error(min(errors, key=lambda e: e["t"]))
@@ -166,51 +247,99 @@ def _describe_exit(i, code, run_dir, per_rank):
                                       f"last lines of {log}:\n{tail}"
 
 
-def _results(world, run_dir):
-    out = []
-    for r in range(world):
-        path = run_dir / f"result-{r}.json"
-        if not path.exists():
-            raise RunFailed(f"rank {r} exited cleanly but wrote no result ({path})", rank=r, run_dir=str(run_dir))
-        out.append(json.loads(path.read_text()))
-    return out
-
-
 # -- the rank side ---------------------------------------------------------------------------------------
 def resolve(target: str):
-    """The function `module:function` names (imported now)."""
-    module, _, name = target.partition(":")
+    """The function `module:function` names; a module whose file changed since it was imported is reloaded."""
+    module_name, _, name = target.partition(":")
+    module = sys.modules.get(module_name)
+    if module is not None and _changed(module):
+        module = importlib.reload(module)
+    elif module is None:
+        importlib.invalidate_caches()  # a file written after this process started
+        module = importlib.import_module(module_name)
+        module.__scalelab_mtime__ = _mtime(module)
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(module, name)
     except AttributeError:
-        raise LaunchError(f"module {module!r} has no function {name!r}") from None
+        raise LaunchError(f"module {module_name!r} has no function {name!r}") from None
 
 
-def rank_main(job_dir: str) -> int:
-    """One rank: join the group if asked, call the target, write its JSON result (or the error)."""
+def _mtime(module) -> float | None:
+    path = getattr(module, "__file__", None)
+    return os.stat(path).st_mtime_ns if path and os.path.exists(path) else None
+
+
+def _changed(module) -> bool:
+    seen = getattr(module, "__scalelab_mtime__", None)
+    now = _mtime(module)
+    if seen is None or now == seen:
+        module.__scalelab_mtime__ = now
+        return False
+    return True
+
+
+def rank_main(pool_dir: str) -> int:
+    """One rank: join the group, then run job-<i>.json for i = 0, 1, ... until the pool says stop."""
     from ..dist import rank_info
-    from ..worker import is_peer_failure
-    job_dir = Path(job_dir)
-    job = json.loads((job_dir / "job.json").read_text())
+    pool_dir = Path(pool_dir)
+    conf = json.loads((pool_dir / "pool.json").read_text())
     info = rank_info()
-    _redirect(job_dir / f"rank-{info.rank}.log")
+    _redirect(pool_dir / f"rank-{info.rank}.log")
+    i = 0
     try:
         import torch
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        if job["init"] == "gloo" and info.world_size > 1:
-            import torch.distributed as dist
-            from datetime import timedelta
-            dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=60))
-        value = resolve(job["target"])(**job["kwargs"])
-        _write(job_dir / f"result-{info.rank}.json", value)
-        _leave_group()
-        return 0
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent, with its traceback
-        _write(job_dir / f"error-{info.rank}.json",
-               {"rank": info.rank, "error": type(e).__name__, "message": str(e), "t": time.time(),
-                "traceback": traceback.format_exc(), "peer_failure": is_peer_failure(e)})
-        traceback.print_exc()
+        if conf["init"] != "none" and info.world_size > 1:
+            _join_group(conf["init"], info)
+    except BaseException as e:  # noqa: BLE001 - a rank that cannot join fails the first job
+        _report(pool_dir, 0, info.rank, e)
         return 1
+    while True:
+        job = _next_job(pool_dir, i, conf["owner_pid"])
+        if job is None:
+            break
+        try:
+            value = resolve(job["target"])(**job["kwargs"])
+            _write(pool_dir / f"result-{i}-{info.rank}.json", value)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the parent, with its traceback
+            _report(pool_dir, i, info.rank, e)
+            return 1
+        i += 1
+    _leave_group()
+    return 0
+
+
+def _next_job(pool_dir: Path, i: int, owner_pid: int):
+    """The i-th job, or None when the pool is closed or its owner (the notebook's kernel) is gone."""
+    import psutil
+    path, last_check = pool_dir / f"job-{i}.json", time.monotonic()
+    while not path.exists():
+        if (pool_dir / "stop").exists():
+            return None
+        if time.monotonic() - last_check > 2:
+            last_check = time.monotonic()
+            if not psutil.pid_exists(owner_pid):
+                return None
+        time.sleep(POLL_S)
+    return json.loads(path.read_text())
+
+
+def _report(pool_dir: Path, job: int, rank: int, e: BaseException) -> None:
+    from ..worker import is_peer_failure
+    _write(pool_dir / f"error-{job}-{rank}.json",
+           {"rank": rank, "error": type(e).__name__, "message": str(e), "t": time.time(),
+            "traceback": traceback.format_exc(), "peer_failure": is_peer_failure(e)})
+    traceback.print_exc()
+
+
+def _join_group(init: str, info) -> None:
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    backend = ("nccl" if torch.cuda.is_available() else "gloo") if init == "auto" else init
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=60))
 
 
 def _leave_group():
@@ -221,9 +350,9 @@ def _leave_group():
 
 
 def _write(path: Path, value) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, default=_plain))
-    tmp.rename(path)  # atomic: the parent never reads half a result
+    tmp.rename(path)  # atomic: the reader never sees half a file
 
 
 def _plain(value):
@@ -244,10 +373,10 @@ def _redirect(path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    """`python -m scalelab.launch.spmd --job DIR`: what each rank runs."""
+    """`python -m scalelab.launch.spmd --pool DIR`: what each rank runs."""
     parser = argparse.ArgumentParser(prog="python -m scalelab.launch.spmd", description=rank_main.__doc__)
-    parser.add_argument("--job", required=True, help="the run directory holding job.json")
-    return rank_main(parser.parse_args(argv).job)
+    parser.add_argument("--pool", required=True, help="the pool's folder holding pool.json and job files")
+    return rank_main(parser.parse_args(argv).pool)
 
 
 if __name__ == "__main__":

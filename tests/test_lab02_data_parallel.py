@@ -1,0 +1,77 @@
+"""Lab 02 (data parallel) runs under papermill at its grading parameters and grades 100 %; its student copy stops
+at the first exercise and grades below 100 %; wrong or forged records fail the checks."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from scalelab.grade.execute import execute_notebook
+from scalelab.testing import execute_lab
+
+from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+
+LAB = ROOT / "labs" / "02_data_parallel"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
+    start = time.monotonic()
+    result = execute_lab(LAB, grading_parameters(LAB), output_dir=tmp_path_factory.mktemp("lab02"),
+                         cell_timeout=180, total_timeout=300)
+    return result.records, time.monotonic() - start
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    records, seconds = reference
+    points, most, results = grade(LAB, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < 120, f"lab 02 took {seconds:.0f} s under papermill; the budget is 120 s"
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    records, _ = reference
+    assert all(r["grad_max_diff"] == 0.0 for r in records["by_hand"])  # same arithmetic as DDP's reducer
+    counts = [r["buckets"] for r in records["buckets"]["rows"]]
+    assert counts[0] > counts[-1] == 1
+    assert [r["workers"] for r in records["panel_runs"]] == [1, 2]
+
+
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    result = execute_notebook(copy_dir / "lab.ipynb", grading_parameters(LAB), output_path=tmp_path / "out.ipynb",
+                              cell_timeout=180, total_timeout=300)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "allreduce" in result.records and "allreduce_bw" not in result.records
+    points, most, _ = grade(LAB, result.records)
+    assert points < 0.2 * most
+
+
+def _no_division(r):
+    for row in r["by_hand"]:  # what a student who forgets to divide by the world size gets
+        row.update(grad_max_diff=0.2, param_max_diff=0.03)
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: [row.update(busbw_GBps=2 * row["algbw_GBps"]) for row in r["allreduce_bw"]], "bandwidths_computed"),
+    (lambda r: [row.update(busbw_GBps=row["busbw_GBps"] * 1.5) for row in r["allreduce_bw"]], "busbw_recomputed"),
+    (_no_division, "by_hand_matches_ddp"),
+    (lambda r: r.update(ring_bytes_per_rank=r["buckets"]["rows"][0]["bytes_per_step"] * 2), "ring_bytes"),
+    (lambda r: r.update(ring_bytes_per_rank=r["ring_bytes_per_rank"] * 1.01), "ring_bytes_recomputed"),
+    (lambda r: r.update(efficiency=0.99), "efficiency_recomputed"),
+    (lambda r: r.update(efficiency=2.0), "efficiency_in_range"),
+    (lambda r: r["panel_runs"][-1].update(samples_per_s=r["panel_runs"][-1]["samples_per_s"] * 2),
+     "global_throughput_is_the_sum_of_ranks"),
+    (lambda r: r["replicas"][1]["ddp"].update(max_diff_from_rank0=1e-3), "replicas_stay_identical_only_with_averaging"),
+    (lambda r: r["by_hand"][1].update(losses=r["by_hand"][0]["losses"]), "ranks_trained_on_different_shards"),
+    (lambda r: r.pop("efficiency"), "efficiency_in_range"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    records = copy.deepcopy(reference[0])
+    forge(records)
+    _, _, results = grade(LAB, records)
+    outcome = {r.name: r.outcome for r in results}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"
