@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .manifest import CheckpointError, fsync_dir, latest, record, sha256_file, verify
+from .manifest import CheckpointError, checksum_file, fsync_dir, latest, record, verify
 
 
 def _dcp():
@@ -95,7 +95,7 @@ class ShardedCheckpointer:
         size = 0
         if self.rank == 0:
             partial = self.directory / f".{sharded_name(step)}.partial"
-            files = {p.name: sha256_file(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            files = {p.name: checksum_file(p) for p in sorted(partial.iterdir()) if p.is_file()}
             size = sum((partial / n).stat().st_size for n in files)
             for name in files:  # DCP does not fsync: make the bytes durable before the rename publishes them
                 fd = os.open(partial / name, os.O_RDONLY)
@@ -110,7 +110,7 @@ class ShardedCheckpointer:
                      "ranks": self.world}
             if metric is not None:
                 entry["metric"] = float(metric)
-            record(self.directory, entry, self.keep_last, self.keep_best)
+            record(self.directory, entry, self.keep_last, self.keep_best, delete_later=True)
         self._done.append({"step": step, "path": str(final), "bytes": size, "flush_s": flush_s,
                            "finished_t": time.time()})
 

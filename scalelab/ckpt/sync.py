@@ -26,26 +26,35 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
-def write_checkpoint(directory, state: dict, keep_last: int = 2, keep_best: int = 0, metric: float | None = None
-                     ) -> tuple[Path, int]:
-    """Write `state` atomically, then enter it in the manifest (with its checksum) and apply retention."""
+def write_checkpoint(directory, state: dict, keep_last: int = 2, keep_best: int = 0, metric: float | None = None,
+                     delete_later: bool = False) -> tuple[Path, int]:
+    """Write `state` atomically, then enter it in the manifest (with its checksum) and apply retention
+    (deleting what it drops on a background thread with delete_later)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / checkpoint_name(state["step"])
     try:
-        digest, size = atomic_write(path, lambda f: torch.save(state, f))
+        digest, size = atomic_write(path, lambda f: _torch_save(state, f))
     except OSError as e:
         raise CheckpointError(f"could not write {path}: {e.strerror or e}; check free space and permissions") from e
-    entry = {"step": state["step"], "file": path.name, "kind": "file", "sha256": digest, "bytes": size}
+    entry = {"step": state["step"], "file": path.name, "kind": "file", "checksum": digest, "bytes": size}
     if metric is not None:
         entry["metric"] = float(metric)
-    record(directory, entry, keep_last, keep_best)
+    record(directory, entry, keep_last, keep_best, delete_later)
     return path, size
+
+
+def _torch_save(state, f) -> None:
+    """torch.save without the zip format's own CRC32 per record: the manifest's checksum covers every byte,
+    and a second one would be another full pass over the data on the training's critical path."""
+    from torch.utils.serialization import config
+    with config.patch({"save.compute_crc32": False}):
+        torch.save(state, f)
 
 
 def save_checkpoint(directory, step: int, model, optimizer, keep_last: int = 2, extra: dict | None = None,
                     metric: float | None = None, keep_best: int = 0) -> Path:
-    """Atomically save model + optimizer at `step`, record it in the manifest, keep the newest `keep_last`
+    """Atomically save model + optimizer at `step`, record it (with its checksum) in the manifest, keep the newest `keep_last`
     (and the `keep_best` with the lowest `metric`)."""
     path, _ = write_checkpoint(directory, capture(step, model, optimizer, extra), keep_last, keep_best, metric)
     return path
@@ -84,7 +93,7 @@ class SyncCheckpointer:
         if not self.writer:
             return {"step": step, "blocked_s": 0.0, "path": None, "bytes": 0}
         path, size = write_checkpoint(self.directory, capture(step, model, optimizer, extra), self.keep_last,
-                                      self.keep_best, metric)
+                                      self.keep_best, metric, delete_later=True)
         return {"step": step, "blocked_s": time.perf_counter() - t0, "path": str(path), "bytes": size}
 
     def completed(self) -> list[dict]:
