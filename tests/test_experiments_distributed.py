@@ -98,3 +98,45 @@ def test_replicas_are_identical_with_ddp_and_drift_without_averaging(pool):
     assert out[0]["ddp"]["checksum"] == out[1]["ddp"]["checksum"]
     assert out[1]["no_averaging"]["max_diff_from_rank0"] > 0 and out[0]["no_averaging"]["max_diff_from_rank0"] == 0
     assert not math.isclose(out[0]["no_averaging"]["checksum"], out[1]["no_averaging"]["checksum"])
+
+
+PORTS = '''
+import horovod.torch as hvd
+
+def right(model, optimizer):
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+
+def no_broadcast(model, optimizer):
+    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+
+def no_averaging(model, optimizer):
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return optimizer
+'''
+
+
+@pytest.mark.horovod
+def test_horovod_port_matches_the_reference_only_when_ported_right_and_the_timeline_is_read(tmp_path, monkeypatch):
+    from scalelab.experiments.horovod_port import timeline_summary
+    (tmp_path / "ports_for_test.py").write_text(PORTS)
+    monkeypatch.chdir(tmp_path)
+    env = {"HOROVOD_TIMELINE": str(tmp_path / "tl.json")}
+    with SpmdPool(world=2, launcher="horovodrun", init="none", threads=1, run_dir=tmp_path / "r", env=env) as p:
+        got = {name: p.run("scalelab.experiments.horovod_port:train_ported", port=f"ports_for_test:{name}",
+                           spec=SMALL, steps=2) for name in ("right", "no_broadcast", "no_averaging")}
+    assert all(r["replica_max_diff"] == 0 and r["reference_max_diff"] < 1e-6 for r in got["right"])
+    assert got["no_broadcast"][1]["replica_max_diff"] > 1e-3
+    assert all(r["reference_max_diff"] > 1e-4 for r in got["no_averaging"])
+    tl = timeline_summary(tmp_path / "tl.json")
+    assert tl["ok"] and tl["activities"]["ALLREDUCE"] > 0 and "allreduce.head.weight" in tl["tensors"]
+
+
+def test_timeline_summary_reads_a_file_cut_short(tmp_path):
+    from scalelab.experiments.horovod_port import timeline_summary
+    (tmp_path / "t.json").write_text('[\n{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.w"}},'
+                                     '\n{"ph": "B", "name": "ALLREDUCE", "ts": 1, "pid": 1},{"ph": "E", "ts": 2, "pi')
+    tl = timeline_summary(tmp_path / "t.json")
+    assert tl["ok"] and tl["activities"] == {"ALLREDUCE": 1} and tl["tensors"] == ["allreduce.w"]
+    assert not timeline_summary(tmp_path / "missing.json")["ok"]

@@ -193,7 +193,9 @@ def _start(launcher, world, run_dir, base, threads, extra_vars):
         full = [exe, "-np", str(world), "-H", f"localhost:{world}", "--gloo", "--network-interfaces", "lo", *cmd]
     else:
         exe = find_tool("mpirun", "install Open MPI: apt-get install openmpi-bin libopenmpi-dev")
-        full = [exe, "-np", str(world), "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo"]
+        # ranks share cores here: waiting ranks must yield the CPU, not busy-poll (it slows a peer's imports 2-3x)
+        full = [exe, "-np", str(world), "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo",
+                "--mca", "mpi_yield_when_idle", "1"]
         if os.geteuid() == 0:
             full.append("--allow-run-as-root")
         for var in ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", *extra_vars):  # mpirun forwards only these

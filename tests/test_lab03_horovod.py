@@ -1,0 +1,72 @@
+"""Lab 03 (Horovod) runs under papermill at its grading parameters and grades 100 %; its student copy stops at the
+first exercise and grades below 100 %; a wrong port and forged records fail the checks."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from scalelab.grade.execute import execute_notebook
+from scalelab.testing import execute_lab
+
+from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+
+LAB = ROOT / "labs" / "03_horovod"
+pytestmark = [pytest.mark.slow, pytest.mark.horovod, pytest.mark.mpi]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
+    start = time.monotonic()
+    result = execute_lab(LAB, grading_parameters(LAB), output_dir=tmp_path_factory.mktemp("lab03"),
+                         cell_timeout=240, total_timeout=360)
+    return result.records, time.monotonic() - start
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    records, seconds = reference
+    points, most, results = grade(LAB, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < 120, f"lab 03 took {seconds:.0f} s under papermill; the budget is 120 s"
+
+
+def test_reference_horovod_reproduces_ddp_exactly_on_cpu(reference):
+    records, _ = reference
+    assert records["comparison"]["max_loss_diff"] < 1e-5
+    assert all(r["reference_max_diff"] < 1e-6 for rows in records["port"].values() for r in rows)
+
+
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    result = execute_notebook(copy_dir / "lab.ipynb", grading_parameters(LAB), output_path=tmp_path / "out.ipynb",
+                              cell_timeout=240, total_timeout=360)
+    # the %%writefile cell only writes the stub; the cell that trains the port is the one that fails
+    assert result.status == "cell_error" and "NotImplementedError" in result.error.details()
+    assert result.records == {}
+    points, most, _ = grade(LAB, result.records)
+    assert points == 0 < most
+
+
+def _no_broadcast(r):
+    r["port"]["mpi"][1].update(replica_max_diff=0.64, reference_max_diff=0.64)  # what a port without broadcasts gives
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (_no_broadcast, "port_reproduces_data_parallel_training"),
+    (lambda r: r["port"]["gloo"][1].update(losses=r["port"]["gloo"][0]["losses"]), "ranks_trained_on_their_own_shards"),
+    (lambda r: r["port"].pop("mpi"), "port_reproduces_data_parallel_training"),
+    (lambda r: r["comparison"].update(hvd_over_ddp=r["comparison"]["hvd_over_ddp"] * 1.1), "comparison_recomputed"),
+    (lambda r: r["comparison"].update(max_loss_diff=0.5), "comparison_computed"),
+    (lambda r: r["engine_runs"][1].update(loss_curve=[x + 0.01 for x in r["engine_runs"][1]["loss_curve"]]),
+     "same_run_two_ways"),
+    (lambda r: r["timeline"].update(ok=False, error="skipped"), "timeline_recorded"),
+    (lambda r: r["engine_runs"][1].update(samples_per_s=1.0), "throughput_is_the_sum_of_ranks"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    records = copy.deepcopy(reference[0])
+    forge(records)
+    _, _, results = grade(LAB, records)
+    outcome = {r.name: r.outcome for r in results}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"
