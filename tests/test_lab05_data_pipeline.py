@@ -1,0 +1,82 @@
+"""Lab 05 (data pipeline) runs under papermill at its grading parameters and grades 100 %; its student copy
+stops at the first exercise and grades far below; a wrong or forged record fails the check that guards it."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from scalelab.grade.execute import execute_notebook
+from scalelab.testing import execute_lab
+
+from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+
+LAB = ROOT / "labs" / "05_data_pipeline"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
+    out = tmp_path_factory.mktemp("lab05")
+    start = time.monotonic()
+    result = execute_lab(LAB, {**grading_parameters(LAB), "out_dir": str(out / "runs")}, output_dir=out,
+                         cell_timeout=120, total_timeout=240)
+    return result.records, time.monotonic() - start
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    records, seconds = reference
+    points, most, results = grade(LAB, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < 150, f"lab 05 took {seconds:.0f} s under papermill; the budget is 150 s"
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    records, _ = reference
+    rate = {(r["layout"], r["where"]): r["samples_per_s"] for r in records["formats"]}
+    assert rate[("shards", "pfs")] > 10 * rate[("files", "pfs")]
+    assert rate[("shards-stream", "local")] > rate[("shards", "local")]  # whole-shard reads beat per-sample reads
+    assert records["reuse"]["future_hit_rate"] > 3 * records["lru_hit_rate"]
+    even, slow = records["straggler"]["even"], records["straggler"]["straggler"]
+    assert slow["step_s"] > 2 * even["step_s"]
+
+
+def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    assert not (copy_dir / "hidden_checks.py").exists()
+    params = {**grading_parameters(LAB), "out_dir": str(tmp_path / "runs")}
+    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
+                              cell_timeout=120, total_timeout=240)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "formats" in result.records and "predicted_pfs_files_s" not in result.records
+    points, most, _ = grade(LAB, result.records)
+    assert points < 0.3 * most
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r.update(predicted_pfs_files_s=r["predicted_pfs_files_s"] * 3), "pfs_epoch_predicted"),
+    (lambda r: r.update(predicted_pfs_files_s=r["predicted_pfs_files_s"] * 1.1),
+     "prediction_follows_from_the_recorded_epoch"),
+    (lambda r: r.update(needed_threads=r["needed_threads"] + 1), "needed_threads_follows_from_the_unprefetched_run"),
+    (lambda r: r.update(chosen_threads=3), "reader_threads_sized"),
+    (lambda r: r.update(chosen_threads=max(x["threads"] for x in r["prefetch_sweep"]) if
+                        r["chosen_threads"] != max(x["threads"] for x in r["prefetch_sweep"]) else 0),
+     "chosen_threads_is_the_smallest_good_count"),
+    (lambda r: r.update(lru_hit_rate=r["reuse"]["future_hit_rate"]), "lru_hit_rate_computed"),
+    (lambda r: r.update(lru_hit_rate=r["lru_hit_rate"] + 0.01), "lru_hit_rate_matches_the_simulation"),
+    (lambda r: r.update(predicted_efficiency=1.0), "straggler_predicted"),
+    (lambda r: r.update(predicted_efficiency=r["predicted_efficiency"] * 1.05),
+     "efficiency_follows_from_the_parameters"),
+    (lambda r: r["formats"][1].update(samples_per_s=r["formats"][1]["samples_per_s"] * 2),
+     "format_rows_are_consistent"),
+    (lambda r: r["engine_formats"][1].update(final_loss=0.0), "engine_trains_from_both_layouts"),
+    (lambda r: r.pop("cache_epochs"), "cache_serves_later_epochs"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    records = copy.deepcopy(reference[0])
+    forge(records)
+    _, _, results = grade(LAB, records)
+    outcome = {r.name: r.outcome for r in results}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"
