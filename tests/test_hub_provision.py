@@ -111,10 +111,10 @@ def test_beside_name():
     assert beside_name(Path("a/lab.ipynb"), "0123456789abcdef") == Path("a/lab (course update 01234567).ipynb")
 
 
-def test_auto_source_prefers_released_copies(tmp_path):
+def test_auto_source_hands_out_released_copies_never_the_reference_labs(tmp_path):
     assert resolve_source("auto", tmp_path) is None
     (tmp_path / "labs").mkdir()
-    assert resolve_source("auto", tmp_path) == tmp_path / "labs"
+    assert resolve_source("auto", tmp_path) is None  # reference labs hold the solutions
     released = source_candidates(tmp_path)[0]
     released.mkdir(parents=True)
     assert resolve_source("auto", tmp_path) == released

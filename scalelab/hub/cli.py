@@ -104,6 +104,19 @@ def _banner(cfg: dict, passwords: dict, cluster) -> str:
     return "\n".join(lines)
 
 
+def _release_course_labs() -> None:
+    """Write the student copies (solutions and hidden checks removed) that `labs.source: auto` hands out."""
+    from ..grade.lab import find_labs
+    from ..grade.release import release_labs
+    from .provision import repo_root, source_candidates
+    labs_root = repo_root() / "labs"
+    if not find_labs(labs_root):
+        print(f"scalelab hub: no labs under {labs_root}; students get none", file=sys.stderr)
+        return
+    reports = release_labs(labs_root=labs_root, out_root=source_candidates()[0])
+    print(f"scalelab hub: released {len(reports)} labs (solutions removed) into {source_candidates()[0]}", flush=True)
+
+
 def run_hub(args) -> int:
     """`scalelab hub`: check the settings, prepare what the mode needs, print how to log in, run JupyterHub."""
     from .auth import ensure_passwords
@@ -123,6 +136,8 @@ def run_hub(args) -> int:
     if args.check:
         print(json.dumps(cfg, indent=1))
         return 0
+    if cfg["labs"]["source"] == "auto":
+        _release_course_labs()
     passwords = ensure_passwords(cfg)
     if cfg["kernels"]["install"]:
         from .kernels import install_kernels

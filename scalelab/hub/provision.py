@@ -54,10 +54,11 @@ def repo_root() -> Path:
 
 
 def source_candidates(root: Path | None = None) -> list[Path]:
-    """Where `labs.source: auto` looks, in order: the student copies `scalelab labs release` writes (hidden checks
-    and solutions removed), then the repository's labs/."""
+    """Where `labs.source: auto` looks: only the student copies `scalelab labs release` writes (hidden checks and
+    solutions removed). The repository's labs/ holds the reference solutions, so 'auto' never hands it out;
+    `scalelab hub` releases the labs into build/student/labs before it starts."""
     root = root or repo_root()
-    return [root / "build" / "student" / "labs", root / "labs"]
+    return [root / "build" / "student" / "labs"]
 
 
 def resolve_source(source: str, root: Path | None = None) -> Path | None:
