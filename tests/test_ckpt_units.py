@@ -178,3 +178,31 @@ def test_a_process_killed_while_writing_leaves_the_last_complete_checkpoint(tmp_
             load_checkpoint(stray, torch.nn.Linear(2048, 2048))
     model = torch.nn.Linear(2048, 2048)
     assert load_checkpoint(latest_checkpoint(tmp_path), model) in (1, 2)  # 2 only if an earlier round completed
+
+
+def _events(mode, blocked):
+    events = [{"type": "start", "rank": 0, "t": 100.0}]
+    for step in range(1, 7):
+        events.append({"type": "step", "rank": 0, "t": 100.0 + step, "step": step, "step_s": 0.5})
+        if step % 3 == 0:
+            events.append({"type": "checkpoint", "rank": 0, "t": 100.2 + step, "step": step, "blocked_s": blocked,
+                           "mode": mode})
+            events.append({"type": "checkpoint_done", "rank": 0, "t": 100.9 + step, "step": step, "flush_s": 0.5,
+                           "finished_t": 100.9 + step, "update_wait_s": 0.01})
+    return events
+
+
+def test_timeline_turns_events_into_intervals_and_totals():
+    from scalelab.ckpt.timeline import timeline
+    tl = timeline(_events("async", 0.05))
+    assert tl["checkpoints"] == 2 and tl["mode"] == "async"
+    assert tl["steps"][0] == pytest.approx((0.5, 1.0, 1))
+    assert tl["blocks"][0] == pytest.approx((3.15, 3.2, 3))
+    assert tl["blocked_s"] == pytest.approx(2 * (0.05 + 0.01)) and tl["flush_s"] == pytest.approx(1.0)
+
+
+def test_checkpoint_timeline_widget_shows_one_row_per_run(tmp_path):
+    from scalelab.widgets import CheckpointTimeline
+    view = CheckpointTimeline({"sync": _events("sync", 0.4), "async": _events("async", 0.01)})
+    assert view.table.value.count("<tr>") == 3 and "sync" in view.table.value
+    assert view.save(tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

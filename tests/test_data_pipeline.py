@@ -144,3 +144,16 @@ def test_resumed_batches_equal_the_tail_of_an_uninterrupted_stream():
     expected = [next(full)[1].tolist() for _ in range(25)]
     resumed = resumable_batches(loader, 13, "cpu")  # mid-epoch 2 (10 batches per epoch)
     assert [next(resumed)[1].tolist() for _ in range(12)] == expected[13:]
+
+
+def test_pipeline_view_draws_every_lane_and_saves_a_png(tmp_path):
+    from scalelab.widgets import PipelineView
+    from widgets.pipeline_view import lanes
+    pipe = Prefetcher(_slow_read(0.002), 8, workers=2, depth=2)
+    for _ in pipe:
+        time.sleep(0.002)
+    trace = pipe.trace.to_dict()
+    assert lanes(trace) == ["consumer", "worker-0", "worker-1"]
+    view = PipelineView(trace)
+    assert view.image.value.startswith("<img src='data:image/png;base64,") and "stall_s" in view.table.value
+    assert view.save(tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -125,7 +125,8 @@ def _checkpoint(checkpointer, strategy, model, optimizer, step, loss, events):
     saved = checkpointer.save(step, model, optimizer, metric=metric)
     if checkpointer.needs_barrier:
         strategy.barrier()  # sync: nobody runs ahead of a checkpoint that is not complete yet
-    events.emit("checkpoint", **{**saved, "mode": checkpointer.mode, "blocked_s": time.perf_counter() - t0})
+    events.emit("checkpoint", **{**saved, "mode": checkpointer.mode, "metric": metric,
+                                 "blocked_s": time.perf_counter() - t0})
 
 
 def _report_flushes(done: list[dict], events) -> None:
