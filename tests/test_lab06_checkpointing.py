@@ -1,0 +1,77 @@
+"""Lab 06 (checkpointing) runs under papermill at its grading parameters and grades 100 %; its student copy
+stops at the first exercise and grades far below; a wrong or forged record fails the check that guards it."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from scalelab.grade.execute import execute_notebook
+from scalelab.testing import execute_lab
+
+from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+
+LAB = ROOT / "labs" / "06_checkpointing"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
+    out = tmp_path_factory.mktemp("lab06")
+    start = time.monotonic()
+    result = execute_lab(LAB, {**grading_parameters(LAB), "out_dir": str(out / "runs")}, output_dir=out,
+                         cell_timeout=150, total_timeout=300)
+    return result.records, time.monotonic() - start
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    records, seconds = reference
+    points, most, results = grade(LAB, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < 200, f"lab 06 took {seconds:.0f} s under papermill; the budget is 200 s"
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    records, _ = reference
+    modes = records["modes"]
+    assert modes["async"]["max_block_s"] < modes["sync"]["max_block_s"]
+    assert modes["sharded"]["flush_s"] > 0 and modes["async"]["flush_s"] > 0  # written in the background
+    assert records["resume"]["start_step"] == 8 and records["max_param_diff"] == 0.0
+    assert [a["status"] for a in records["slices"]["attempts"]][-1] == "succeeded"
+
+
+def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    assert not (copy_dir / "hidden_checks.py").exists()
+    params = {**grading_parameters(LAB), "out_dir": str(tmp_path / "runs")}
+    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
+                              cell_timeout=150, total_timeout=300)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "anatomy" in result.records and "my_checksum" not in result.records
+    points, most, _ = grade(LAB, result.records)
+    assert points < 0.1 * most
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r.update(my_checksum="crc32:00000000"), "checksum_verified_by_hand"),
+    (lambda r: r["anatomy"].update(corrupt_error=None), "partial_and_corrupted_checkpoints_are_refused"),
+    (lambda r: r.update(stall_ratio=1.5), "stall_ratio_computed"),
+    (lambda r: r.update(stall_ratio=r["stall_ratio"] / 2), "stall_ratio_follows_from_the_modes"),
+    (lambda r: r.update(least_blocking="sync"), "stall_ratio_follows_from_the_modes"),
+    (lambda r: r.update(max_param_diff=1e-7), "resume_is_exact"),
+    (lambda r: r.update(losses_equal=True) or r["resume"]["resumed_losses"].__setitem__(0, 9.0),
+     "resume_records_agree"),
+    (lambda r: r.update(my_kept=r["my_kept"][:-1]), "retention_rule_applied"),
+    (lambda r: r.update(kept_by_engine=[r["engine_history"][0]["step"]] + r["kept_by_engine"]),
+     "engine_retention_follows_the_rule"),
+    (lambda r: r["slices"]["attempts"][-1].update(start_step=3), "attempts_resume_where_the_last_stopped"),
+    (lambda r: r["slices"].update(identical=False), "chain_of_attempts_finishes_identically"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    records = copy.deepcopy(reference[0])
+    forge(records)
+    _, _, results = grade(LAB, records)
+    outcome = {r.name: r.outcome for r in results}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"
