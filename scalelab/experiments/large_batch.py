@@ -10,6 +10,7 @@ warm-up schedule. Every run sees the same number of samples (`samples`): a large
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,6 +20,18 @@ from ..data import build_dataset
 from ..data.loader import build_eval_set
 from ..train.optim import build_optimizer, lr_at
 from ._common import build_workload
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run tiny models on one intra-op thread (restored afterwards): for a 64-unit MLP, splitting each small
+    matrix product over threads costs more in synchronisation than it gains, badly so on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _batches(dataset, batch: int, seed: int):
@@ -68,13 +81,18 @@ def train_run(spec, batch: int, lr: float, samples: int, optimizer: str = "sgd",
 
 def train_runs(spec, runs: list[dict], samples: int) -> list[dict]:
     """`train_run` for each dict of its keyword arguments (batch, lr, optimizer, warmup_steps) plus any labels
-    (keys that are not arguments, e.g. "rule", are copied into the result); one dataset for all."""
+    (keys that are not arguments, e.g. "rule", are copied into the result); one dataset for all, and runs with
+    the same arguments are trained once."""
     dataset = build_dataset(spec.data, spec.seed)
     args = ("batch", "lr", "optimizer", "warmup_steps")
-    out = []
-    for run in runs:
-        result = train_run(spec, samples=samples, dataset=dataset, **{k: v for k, v in run.items() if k in args})
-        out.append({**{k: v for k, v in run.items() if k not in args}, **result})
+    out, done = [], {}
+    with one_thread():
+        for run in runs:
+            kwargs = {k: v for k, v in run.items() if k in args}
+            key = tuple(sorted(kwargs.items()))
+            if key not in done:  # e.g. every scaling rule gives the same lr at the base batch: train it once
+                done[key] = train_run(spec, samples=samples, dataset=dataset, **kwargs)
+            out.append({**{k: v for k, v in run.items() if k not in args}, **done[key]})
     return out
 
 
@@ -84,6 +102,12 @@ def gradient_norms(spec, small: int, big: int, batches: int = 8, warm_steps: int
     Measured after `warm_steps` SGD steps (the noise scale of a freshly initialised model is not the one that
     matters). Same parameters for both sizes, so E|g_B|^2 = |G|^2 + tr(Sigma)/B holds between them.
     """
+    with one_thread():
+        return _gradient_norms(spec, small, big, batches, warm_steps)
+
+
+def _gradient_norms(spec, small: int, big: int, batches: int, warm_steps: int) -> dict:
+    """The measurement behind gradient_norms."""
     dataset = build_dataset(spec.data, spec.seed)
     wl = build_workload(spec.with_overrides({"world.workers_per_node": 1}), device=torch.device("cpu"),
                         dataset=dataset)

@@ -1,0 +1,77 @@
+"""Lab 04 (scaling) runs under papermill at its grading parameters and grades 100 %; its student copy stops at the
+first exercise and grades below 100 %; wrong or forged records fail the checks."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from scalelab.grade.execute import execute_notebook
+from scalelab.testing import execute_lab
+
+from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+
+LAB = ROOT / "labs" / "04_scaling"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
+    start = time.monotonic()
+    result = execute_lab(LAB, grading_parameters(LAB), output_dir=tmp_path_factory.mktemp("lab04"),
+                         cell_timeout=180, total_timeout=300)
+    return result.records, time.monotonic() - start
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    records, seconds = reference
+    points, most, results = grade(LAB, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < 120, f"lab 04 took {seconds:.0f} s under papermill; the budget is 120 s"
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    records, _ = reference
+    study = {(r["batch"], r["rule"]): r["eval_loss"] for r in records["lr_study"]}
+    assert study[(256, "linear")] < study[(256, "none")]          # scaling the lr recovers a moderate batch
+    assert study[(1024, "linear")] > study[(32, "none")] + 1.0    # ... but not a very large one
+    opt = {r["label"]: r["eval_loss"] for r in records["optimizers"]}
+    assert opt["lamb"] < opt["sgd linear"] - 1.0
+    assert 10 < records["b_noise"] < 1000
+
+
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    params = {**grading_parameters(LAB), "sweep_steps": 5}  # it stops after the sweeps: keep them short
+    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
+                              cell_timeout=180, total_timeout=300)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "strong_rows" in result.records and "karp_flatt" not in result.records
+    points, most, results = grade(LAB, result.records)
+    assert points < 0.3 * most  # the sweeps ran; every exercise and all that follows is missing
+    outcome = {r.name: r.outcome for r in results}
+    assert {outcome[n] for n in ("serial_fraction_estimated", "learning_rates_scaled", "noise_scale_estimated")} == \
+        {"missing"}
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r.update(karp_flatt=r["karp_flatt"] + 0.05), "karp_flatt_recomputed"),
+    (lambda r: r.update(amdahl_64=r["amdahl_64"] * 2), "serial_fraction_estimated"),
+    (lambda r: [x.update(lr=x["lr"] * 2) for x in r["lr_study"] if x["rule"] == "sqrt"], "learning_rates_scaled"),
+    (lambda r: r.update(b_noise=r["b_noise"] * 1.1), "noise_scale_recomputed"),
+    (lambda r: r.update(b_noise=-5.0), "noise_scale_estimated"),
+    (lambda r: r["weak_rows"][-1].update(efficiency=1.0), "sweep_rows_are_consistent"),
+    (lambda r: r["strong_rows"][-1].update(samples_per_s=r["strong_rows"][-1]["samples_per_s"] * 1.3),
+     "shared_run_is_one_measurement"),
+    (lambda r: [x.update(eval_loss=9.0) for x in r["optimizers"] if x["label"] in ("lars", "lamb")],
+     "lars_or_lamb_recover_the_large_batch"),
+    (lambda r: r["strong_rows"][1].update(global_batch=999), "strong_sweep_ran"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    records = copy.deepcopy(reference[0])
+    forge(records)
+    _, _, results = grade(LAB, records)
+    outcome = {r.name: r.outcome for r in results}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"
