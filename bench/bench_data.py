@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_data.py                 # writes bench/results/bench_data.json
     .venv/bin/python bench/bench_data.py --samples 5000 --repeats 3     # quicker
 
-Both loaders deliver the same thing: epochs of (x, y) batches as torch tensors.
+Both loaders deliver the same thing: epochs of (x, y) batches as torch tensors (the file-per-sample layout holds
+the first `--file-samples` samples only: creating 100k files takes minutes; samples/s compare per-sample costs).
 - file-per-sample: for each sample open its .npy file, read it, parse it, then stack the batch
   (`FileDataset`, the layout of an image folder);
 - packed shards: `ShardStream`, one sequential read per shard into a reused buffer, batches gathered from it.
@@ -82,7 +83,9 @@ def timed(fn, repeats: int) -> tuple[float, list[float], int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--samples", type=int, default=100000, help="samples in the shards (and raw read)")
+    parser.add_argument("--file-samples", type=int, default=20000,
+                        help="samples written one per file (fewer: 100k files take minutes to create)")
     parser.add_argument("--size", type=int, default=16, help="field side: a sample is size*size float32")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     x, y = heat_fields(args.samples, args.size, 4, seed=0)
     with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
-        files = write_dataset(x, y, Path(tmp) / "files", "files")
+        files = write_dataset(x[:args.file_samples], y[:args.file_samples], Path(tmp) / "files", "files")
         shards = write_dataset(x, y, Path(tmp) / "shards", "shards", samples_per_shard=1024)
         fds, sds = open_dataset(files), open_dataset(shards)
         stream = ShardStream(sds, args.batch, window=2)
@@ -118,7 +121,8 @@ def main(argv=None) -> int:
                     "torch": torch.__version__},
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "samples": args.samples, "sample_bytes": int(x[0].nbytes), "batch": args.batch, "repeats": args.repeats,
+        "samples": args.samples, "file_samples": args.file_samples, "sample_bytes": int(x[0].nbytes),
+        "batch": args.batch, "repeats": args.repeats,
         "page_cache": "warm (files just written); software overhead per sample is what is compared",
         "file_per_sample": {"samples_per_s": files_sps, "runs_s": runs_files},
         "packed_shards": {"samples_per_s": shards_sps, "bytes_per_s": shard_bytes_per_s, "runs_s": runs_shards},

@@ -222,7 +222,11 @@ class ShardDataset(StoredDataset):
 
     def shard_members(self, k: int) -> np.ndarray:
         """Sample indices stored in shard `k`, in file order."""
-        return np.flatnonzero(self.shard == k)
+        if not hasattr(self, "_members"):  # one pass over the index, not one per shard and call
+            order = np.argsort(self.shard, kind="stable")
+            bounds = np.searchsorted(self.shard[order], np.arange(self.shard_count() + 1))
+            self._members = [order[bounds[j]:bounds[j + 1]] for j in range(self.shard_count())]
+        return self._members[k]
 
 
 class HDF5Dataset(StoredDataset):

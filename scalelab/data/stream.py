@@ -30,7 +30,7 @@ class ShardStream:
         self.ds, self.batch, self.rank, self.world = dataset, batch, rank, world
         self.seed, self.window, self.shuffle = seed, max(1, window), shuffle
         self.epoch = 0
-        self._buffers: list[bytearray] = [bytearray() for _ in range(self.window)]  # one per shard in a window
+        self._buffer = bytearray()  # one window of shards, back to back, reused from window to window
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle shards and samples differently in the next iteration (same seed: same order)."""
@@ -43,39 +43,57 @@ class ShardStream:
             shards = np.random.default_rng((self.seed, self.epoch)).permutation(shards)
         return [int(k) for k in shards[self.rank::self.world]]
 
-    def read_shard(self, k: int, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """All samples of shard `k` (x, y), from one sequential read into buffer `slot` (reused: the x it
-        returns is only valid until that slot is read into again)."""
+    def _shard_bytes(self, k: int) -> int:
         members = self.ds.shard_members(k)
-        size = int(self.ds.offset[members[-1]] + self.ds.length[members[-1]]) if len(members) else 0
-        if len(self._buffers[slot]) < size:
-            self._buffers[slot] = bytearray(size)
-        view = memoryview(self._buffers[slot])[:size]
-        self.ds.store.readinto(shard_name(k), view, 0, keep_open=True)
+        return int(self.ds.offset[members[-1]] + self.ds.length[members[-1]]) if len(members) else 0
+
+    def read_window(self, shards: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """All samples of `shards` (x, y): one sequential read per shard, into one reused buffer. Uncompressed,
+        x is a view on that buffer, valid until the next window is read."""
+        sizes = [self._shard_bytes(k) for k in shards]
+        if len(self._buffer) < sum(sizes):
+            self._buffer = bytearray(sum(sizes))
+        view = memoryview(self._buffer)[:sum(sizes)]
+        pos = 0
+        for k, size in zip(shards, sizes):
+            self.ds.store.readinto(shard_name(k), view[pos:pos + size], 0, keep_open=True)
+            pos += size
+        members = np.concatenate([self.ds.shard_members(k) for k in shards])
         if self.ds.compressed:
-            x = np.stack([np.frombuffer(zlib.decompress(view[o:o + n]), dtype=self.ds.dtype)
-                          for o, n in zip(self.ds.offset[members], self.ds.length[members])])
-        else:  # a view on the buffer: the batch gather below is the only copy
+            starts = np.cumsum([0] + sizes[:-1])
+            base = np.repeat(starts, [len(self.ds.shard_members(k)) for k in shards])
+            x = np.stack([np.frombuffer(zlib.decompress(view[b + o:b + o + n]), dtype=self.ds.dtype)
+                          for b, o, n in zip(base, self.ds.offset[members], self.ds.length[members])])
+        else:  # a view: the batch gather below is the only copy of the data
             x = np.frombuffer(view, dtype=self.ds.dtype)
         return x.reshape(len(members), *self.ds.shape), self.ds.labels[members]
+
+    def read_shard(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """All samples of shard `k` (x, y), from one sequential read."""
+        return self.read_window([k])
 
     def __iter__(self):
         rng = np.random.default_rng((self.seed, self.epoch, self.rank, 1))
         shards = self.my_shards()
-        carry_x, carry_y = None, None
+        carry_x, carry_y = np.empty((0, *self.ds.shape), self.ds.dtype), np.empty(0, np.int64)
         for w in range(0, len(shards), self.window):
-            parts = [self.read_shard(k, slot) for slot, k in enumerate(shards[w:w + self.window])]
-            xs = [p[0] for p in parts] if len(parts) > 1 or carry_x is not None else None
-            x, y = (np.concatenate(xs), np.concatenate([p[1] for p in parts])) if xs else parts[0]
-            if carry_x is not None:
-                x, y = np.concatenate([carry_x, x]), np.concatenate([carry_y, y])
+            x, y = self.read_window(shards[w:w + self.window])
             idx = rng.permutation(len(x)) if self.shuffle else np.arange(len(x))
+            # the samples left over from the last window fill the first batch of this one
+            first = self.batch - len(carry_x)
+            if len(idx) >= first:
+                take = idx[:first]
+                yield (torch.from_numpy(np.concatenate([carry_x, x[take]])),
+                       torch.from_numpy(np.concatenate([carry_y, y[take]])))
+                idx = idx[first:]
+                carry_x, carry_y = carry_x[:0], carry_y[:0]
             whole = len(idx) - len(idx) % self.batch
+            rows = x.reshape(len(x), -1)  # take() on rows of a 2-D array is about twice as fast as on 4-D
             for k in range(0, whole, self.batch):
                 take = idx[k:k + self.batch]
-                yield torch.from_numpy(x[take]), torch.from_numpy(y[take])
-            rest = idx[whole:]
-            carry_x, carry_y = (x[rest].copy(), y[rest]) if len(rest) else (None, None)
+                yield torch.from_numpy(rows.take(take, axis=0).reshape(-1, *self.ds.shape)), torch.from_numpy(y[take])
+            rest = idx[whole:]  # copied out: the buffer is about to be overwritten
+            carry_x, carry_y = np.concatenate([carry_x, x[rest]]), np.concatenate([carry_y, y[rest]])
 
     def __len__(self) -> int:
         """Whole batches this rank yields per epoch."""
