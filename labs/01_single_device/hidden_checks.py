@@ -18,9 +18,9 @@ def prediction_is_the_serial_formula(r):
 
 @check(points=1)
 def full_step_cannot_beat_its_slowest_stage(r):
-    """A serial step is no faster than its slower stage (plus noise)."""
+    """A serial step is no faster than its slower stage (plus a wide margin for a noisy machine)."""
     s = r["split"]
-    assert s["full"] <= 1.25 * min(s["data"], s["compute"]), "full step faster than its slowest stage"
+    assert s["full"] <= 1.5 * min(s["data"], s["compute"]), "full step faster than its slowest stage"
 
 
 @check(points=1)
