@@ -3,7 +3,8 @@
     rows = run_spmd("scalelab.experiments.collectives:allreduce_sweep", world=2,
                     kwargs={"sizes": [4096, 1 << 20]})[0]["rows"]
 
-Time per call is the slowest rank's mean over `repeats` calls (a collective ends when its last rank does).
+Time per call is the slowest rank's median over `repeats` calls (a collective ends when its last rank does; the
+median ignores the odd call a busy OS delayed).
 `bandwidths()` turns times into the two figures NCCL's tests report: algorithm bandwidth (bytes / time) and bus
 bandwidth (algbw x 2(n-1)/n: what each link carried in a ring allreduce, comparable across rank counts).
 """
@@ -32,7 +33,7 @@ def _group(backend: str):
 
 def allreduce_sweep(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 22), repeats: int = 10, warmup: int = 2,
                     backend: str = "default") -> dict:
-    """Per message size in bytes (fp32): mean allreduce time over `repeats`, slowest rank's. Also checks the sum.
+    """Per message size in bytes (fp32): median allreduce time over `repeats`, slowest rank's. Also checks the sum.
 
     `backend`: "default" (the group's own, gloo in a default pool), "nccl", "gloo" or "auto" (nccl with CUDA).
     """
@@ -41,22 +42,28 @@ def allreduce_sweep(sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 22), repeats: int = 1
     probe = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(probe, group=group)
     sum_ok = bool(torch.all(probe == world * (world + 1) / 2))  # 1 + 2 + ... + world on every element
+    tensors = [torch.ones(max(1, int(nbytes) // 4), device=device) for nbytes in sizes]
+    for t in tensors:  # a first pass over every size: buffers, connections and caches warm before any timing
+        for _ in range(warmup):
+            dist.all_reduce(t, group=group)
     rows = []
-    for nbytes in sizes:
-        t = torch.ones(max(1, int(nbytes) // 4), device=device)
+    for t in tensors:
         for _ in range(warmup):
             dist.all_reduce(t, group=group)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier(group=group)
-        start = time.perf_counter()
+        per_call = []
         for _ in range(repeats):
+            start = time.perf_counter()
             dist.all_reduce(t, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # NCCL calls return before the GPU has finished them
-        mean = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
-        dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=group)
-        rows.append({"bytes": t.numel() * 4, "time_s": float(mean)})
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # NCCL calls return before the GPU has finished them
+            per_call.append(time.perf_counter() - start)
+        # the median call: robust to a rank that the OS scheduler delayed once (common on a shared laptop)
+        median = torch.tensor([sorted(per_call)[len(per_call) // 2]], dtype=torch.float64, device=device)
+        dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+        rows.append({"bytes": t.numel() * 4, "time_s": float(median)})
     return {"rank": rank, "world": world, "backend": backend, "sum_ok": sum_ok, "rows": rows}
 
 
