@@ -63,6 +63,7 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path
     (lambda r: r["ladder"][-1].update(speedup=r["ladder"][-1]["speedup"] * 2), "ladder_is_consistent"),
     (lambda r: r["split"].update(full=10 * r["split"]["data"]), "full_step_cannot_beat_its_slowest_stage"),
     (lambda r: r.pop("profile"), "profile_saved"),
+    (lambda r: r.update(baseline_samples_per_s=100 * r["inprocess_full_sps"]), "engine_and_process_agree"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     records = copy.deepcopy(reference[0])

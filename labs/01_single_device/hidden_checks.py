@@ -25,9 +25,10 @@ def full_step_cannot_beat_its_slowest_stage(r):
 
 @check(points=1)
 def engine_and_process_agree(r):
-    """The engine's baseline and the in-process measurement are within a factor 3 of each other."""
+    """The engine's baseline and the in-process measurement are within a factor 10 of each other (two short
+    measurements taken a few seconds apart on a shared machine can differ several-fold; a forged number by more)."""
     a, b = r["baseline_samples_per_s"], r["inprocess_full_sps"]
-    assert 1 / 3 <= a / b <= 3, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
+    assert 1 / 10 <= a / b <= 10, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
 
 
 @check(points=2)

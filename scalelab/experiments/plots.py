@@ -77,15 +77,17 @@ def allreduce_figure(rows, world: int) -> Figure:
     return fig
 
 
-def curves_figure(curves: dict, title: str, ylabel: str = "loss", xlabel: str = "step") -> Figure:
-    """Several named curves (name -> list of y, or of (x, y) pairs) on one axis."""
+def curves_figure(curves: dict, title: str, ylabel: str = "loss", xlabel: str = "step", logx: bool = False) -> Figure:
+    """Several named curves (name -> list of y, or of (x, y) pairs, drawn with markers) on one axis."""
     fig = Figure(figsize=(5.2, 3.2))
     ax = fig.add_subplot()
     for name, ys in curves.items():
         if ys and isinstance(ys[0], (list, tuple)):
-            ax.plot([p[0] for p in ys], [p[1] for p in ys], label=str(name))
+            ax.plot([p[0] for p in ys], [p[1] for p in ys], "o-", label=str(name))
         else:
             ax.plot(range(1, len(ys) + 1), ys, label=str(name))
+    if logx:
+        ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
