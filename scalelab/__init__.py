@@ -8,13 +8,13 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .errors import ScalelabError  # noqa: E402
+# Bound eagerly (record.py imports nothing heavy): a lazy lookup would be shadowed by the submodule
+# `scalelab.record` as soon as anything imported it, and `from scalelab import record` would give the module.
+from .record import record  # noqa: E402
 
 
 def __getattr__(name):
     # Lazy: `import scalelab` must stay cheap (no torch) for the CLI, the hub and the grader.
-    if name == "record":
-        from .record import record
-        return record
     if name in ("RunSpec", "preset"):
         from . import spec
         return getattr(spec, name)

@@ -12,3 +12,9 @@ def test_every_scalelab_subpackage_is_listed_in_pyproject():
     present = {"scalelab." + p.parent.name for p in (ROOT / "scalelab").glob("*/__init__.py")}
     present |= {"scalelab", "scalelab.widgets"}
     assert present - listed == set(), f"add to [tool.setuptools] packages: {sorted(present - listed)}"
+
+
+def test_from_scalelab_import_record_gives_the_function_even_after_the_submodule_is_imported():
+    import scalelab.record  # noqa: F401  (what a lab or the grader does first)
+    from scalelab import record
+    assert callable(record) and record.__name__ == "record"
