@@ -84,7 +84,7 @@ def train(spec, info, events) -> dict:
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
         strategy.step(optimizer, scaler)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
         loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
         step_s = time.perf_counter() - t0
         comm_s = strategy.take_comm_time()
