@@ -51,17 +51,12 @@ def test_each_launcher_trains_two_ranks_and_matches_local_ddp(strategy, launcher
 
 
 @pytest.mark.slurm
+@pytest.mark.horovod
+@pytest.mark.mpi
 def test_slurm_launcher_runs_horovod_through_mpirun_inside_the_job(slurm_cluster, reference, tmp_path):
-    if not _has_horovod():
-        pytest.skip("needs horovod")  # covered under CI by the horovod-marked tests' requirement
     summary = launch(tiny(tmp_path, strategy="horovod", launcher="slurm")).wait(timeout=180)
     assert loss_curve(summary) == pytest.approx(loss_curve(reference), rel=1e-4, abs=1e-5)
     assert "mpirun -np 2" in (tmp_path / "run" / "job.sh").read_text()
-
-
-def _has_horovod():
-    import importlib.util
-    return importlib.util.find_spec("horovod") is not None
 
 
 def test_one_worker_with_2b_equals_two_workers_with_b(tmp_path):
