@@ -81,6 +81,20 @@ def test_throttled_store_charges_latency_per_open_and_shares_bandwidth(stored):
         store.read("nope.bin")
 
 
+def test_metadata_latency_adds_up_to_opens_times_latency_despite_sleep_overshoot(stored, monkeypatch):
+    # time.sleep(0.5 ms) overshoots by ~30 % here; the store carries each overshoot into the next wait, so the
+    # lab's model (opens x latency) holds. A sleep that always overshoots by 0.4 ms shows it without a clock race.
+    import scalelab.data.store as store_mod
+    clock = {"now": 0.0}
+    monkeypatch.setattr(store_mod.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(store_mod.time, "sleep", lambda s: clock.__setitem__("now", clock["now"] + s + 0.0004))
+    monkeypatch.setattr(store_mod, "_THREAD_STATE", __import__("threading").local())
+    store = ThrottledStore(stored["files"], open_latency_s=0.001)
+    for _ in range(1000):
+        store._metadata_wait()
+    assert clock["now"] == pytest.approx(1000 * 0.001, rel=0.001)  # uncompensated: 1.4 s
+
+
 def test_cache_fetches_each_file_once_from_the_slow_store(stored, tmp_path):
     slow = ThrottledStore(stored["shards"], open_latency_s=0.005)
     cache = CachedStore(slow, tmp_path / "cache")
