@@ -128,7 +128,7 @@ def test_reading_the_hidden_checks_finds_nothing_and_costs_nothing(batch):
     assert (r["status"], r["score"]) == ("ok", 8)
     records = read_records(batch["out"] / r["notebook"])
     assert records["tried"] >= 5  # it did try the reference lab, ../, /proc/1/root, ...
-    assert records["leaked"] == [] and records["git_visible"] is False
+    assert records["leaked"] == [] and records["git_visible"] is False, r["sandbox"]
 
 
 def test_hidden_checks_source_appears_nowhere_in_the_reports(batch):

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scalelab.grade.sandbox import (UID_RANGE, SandboxPlan, SandboxPolicy, blocking_ancestor, cleanup,
-                                    plan_sandbox, verify_network_isolation)
+from scalelab.grade.sandbox import (UID_RANGE, SandboxError, SandboxPlan, SandboxPolicy, blocking_ancestor, cleanup,
+                                    confinement_leaks, plan_sandbox, verify_network_isolation)
 
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
@@ -112,8 +112,10 @@ def test_throwaway_uid_cannot_read_hidden_paths_or_roots_files(open_tmp):
             print(p, type(e).__name__)
     print("uid", os.getuid(), "root listing", os.listdir("/root"))
     """
-    shown = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)), code)
-    hidden = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, hide=(str(lab), str(lonely)))), code)
+    # private_tmp off: this test is about hiding named paths (the lab sits in /tmp, which is private by default)
+    shown = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False)), code)
+    hidden = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False,
+                                                  hide=(str(lab), str(lonely)))), code)
     assert f"{lab / 'hidden_checks.py'} 'SECRET'" in shown.stdout  # readable unless hidden: the test can fail
     assert f"{lab / 'hidden_checks.py'} FileNotFoundError" in hidden.stdout, hidden.stderr
     assert f"{lonely} ''" in hidden.stdout  # a hidden single file reads as /dev/null
@@ -211,7 +213,7 @@ def test_grading_as_an_ordinary_user_works_and_says_what_it_could_not_do(open_tm
     r = grade({str(lab)!r}, [{str(sub)!r}], {str(open_tmp / 'out')!r}, GradeOptions()).results[0]
     print(json.dumps({{"status": r.status, "message": r.message, "sandbox": r.sandbox}}))
     """
-    plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None), uid=65534)
+    plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False), uid=65534)
     proc = _confined(plan, code, timeout=180)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -231,14 +233,117 @@ def test_hiding_works_without_root_through_a_user_namespace(open_tmp):
     inner = f"""
 import os, subprocess
 from scalelab.grade.sandbox import SandboxPolicy, apply_sandbox, plan_sandbox
-plan = plan_sandbox(SandboxPolicy(hide=({str(open_tmp / 'lab')!r},), memory_mb=None))
+plan = plan_sandbox(SandboxPolicy(hide=({str(open_tmp / 'lab')!r},), memory_mb=None, private_tmp=False))
 apply_sandbox(plan)
 print("userns", plan.userns, "listing", os.listdir({str(open_tmp / 'lab')!r}))
 print("umount", subprocess.run(["umount", {str(open_tmp / 'lab')!r}], capture_output=True).returncode)
 """
-    outer = plan_sandbox(SandboxPolicy(network=True, memory_mb=None), uid=65534)
+    outer = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False), uid=65534)
     proc = _confined(outer, f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])")
     if "userns False" in proc.stdout:
         pytest.skip("no unprivileged user namespaces on this kernel")
     assert "userns True listing []" in proc.stdout, proc.stderr
     assert "umount 0" not in proc.stdout
+
+
+def _fake_checkout(root: Path) -> Path:
+    """A second copy of a course checkout: its own scalelab-less tree with a lab holding hidden checks."""
+    (root / ".git").mkdir(parents=True)
+    (root / "pyproject.toml").write_text("[project]\nname = 'copy'\n")
+    lab = root / "labs" / "90_copy"
+    lab.mkdir(parents=True)
+    (lab / "hidden_checks.py").write_text("SECRET")
+    for p in (root, root / "labs", lab):
+        p.chmod(0o755)
+    (lab / "hidden_checks.py").chmod(0o644)
+    return lab
+
+
+@root_only
+def test_a_covered_checkout_shows_only_what_the_run_needs(open_tmp):
+    # The checkout is covered whole: its labs (and any copy of them) vanish, the needed folder inside stays.
+    lab = _fake_checkout(open_tmp / "course")
+    pkg = open_tmp / "course" / "pkg"
+    pkg.mkdir(mode=0o755)
+    (pkg / "mod.py").write_text("VALUE = 7\n")
+    (pkg / "mod.py").chmod(0o644)
+    policy = SandboxPolicy(memory_mb=None, cover=(str(open_tmp / "course"),),
+                           needed=(*json.loads(subprocess.check_output(
+                               [sys.executable, "-c", "import json; from scalelab.grade.sandbox import needed_paths;"
+                                " print(json.dumps(needed_paths()))"])), str(pkg)))
+    plan = plan_sandbox(policy)
+    assert plan.cover == [str(open_tmp / "course")] and str(pkg) in plan.expose
+    code = f"""
+    import os
+    print("listing", sorted(os.listdir({str(open_tmp / 'course')!r})))
+    print("pkg", open({str(pkg / 'mod.py')!r}).read().strip())
+    print("hidden", os.path.exists({str(lab / 'hidden_checks.py')!r}))
+    """
+    proc = _confined(plan, code)
+    assert proc.returncode == 0, proc.stderr
+    assert "listing ['pkg']" in proc.stdout and "pkg VALUE = 7" in proc.stdout and "hidden False" in proc.stdout
+
+
+def test_confinement_leaks_names_a_hidden_path_still_readable(tmp_path):
+    # What the runner checks after confining itself: unapplied, the plan's hidden folder and file both leak.
+    lab = _fake_checkout(tmp_path / "course")
+    lonely = tmp_path / "answer.txt"
+    lonely.write_text("42")
+    plan = SandboxPlan(hide=[str(lab), str(lonely), str(tmp_path / "gone")], cover=[str(tmp_path / "course")],
+                       expose=[str(tmp_path / "course" / "labs")])
+    assert confinement_leaks(plan) == [str(lab), str(lonely), str(tmp_path / "course" / ".git"),
+                                       str(tmp_path / "course" / "pyproject.toml")]
+    assert confinement_leaks(SandboxPlan()) == []
+
+
+@root_only
+def test_a_needed_folder_others_cannot_enter_is_refused_with_what_to_do(open_tmp):
+    closed = open_tmp / "venv"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(SandboxError, match=r"venv is needed by every graded run.*chmod o\+rx"):
+        plan_sandbox(SandboxPolicy(memory_mb=None, needed=(str(closed),)))
+
+
+def test_hidden_paths_covers_every_checkout_and_keeps_what_runs_need(tmp_path):
+    # The lab lives in one checkout, the runs import scalelab from another: both are covered, neither is lost.
+    from scalelab.grade.job import hidden_paths
+    from scalelab.grade.lab import load_lab
+    here = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "copy"
+    shutil.copytree(here / "tests" / "fixtures" / "grading" / "labs" / "90_fixture", copy / "labs" / "90_fixture")
+    (copy / ".git").mkdir()
+    runs = tmp_path / "elsewhere"
+    (runs / "scalelab").mkdir(parents=True)
+    (runs / "scalelab" / "__init__.py").write_text("")
+    (runs / "pyproject.toml").write_text("")
+    base = tmp_path / "jobs"
+    base.mkdir()
+    hide, cover = hidden_paths(load_lab(copy / "labs" / "90_fixture"), [], tmp_path / "out", base, (),
+                               [str(runs / "scalelab"), sys.prefix])
+    assert str(copy) in hide and str(copy / "labs" / "90_fixture") in hide  # no needed path inside: hidden whole
+    assert str(runs) in cover  # holds the runs' package: covered, the package bound back
+    assert str(runs / "scalelab") not in hide and str(base) not in hide
+
+
+@root_only
+def test_private_tmp_hides_what_others_left_there_and_keeps_the_runs_own_folder(open_tmp):
+    # A copy of the course left in /tmp by someone: invisible; the run's job folder (also in /tmp): writable.
+    lab = _fake_checkout(open_tmp / "stale-copy")
+    job = open_tmp / "job"
+    job.mkdir()
+    job.chmod(0o777)  # the grader chowns it to the throwaway uid; any uid will do here
+    plan = plan_sandbox(SandboxPolicy(memory_mb=None, workdir=str(job)))
+    assert "/tmp" in plan.private and plan.writable == [str(job)]
+    code = f"""
+    import os
+    print("stale", os.path.exists({str(lab / 'hidden_checks.py')!r}))
+    open({str(job / 'out.txt')!r}, "w").write("mine")
+    print("tmp", sorted(os.listdir("/tmp")), os.listdir({str(open_tmp)!r}))
+    open("/tmp/scratch", "w").write("x")
+    open("/dev/shm/scratch", "w").write("x")
+    """
+    proc = _confined(plan, code)
+    assert proc.returncode == 0, proc.stderr
+    assert "stale False" in proc.stdout and f"tmp ['{open_tmp.name}'] ['job']" in proc.stdout
+    assert (job / "out.txt").read_text() == "mine"  # written through the bind: it lands in the real folder
+    assert not Path("/tmp/scratch").exists() and not Path("/dev/shm/scratch").exists()  # private ones are gone

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .evidence import RUNS, run_evidence, strip_grader_records
-from .job import copy_submission, hidden_paths, job_base, run_job, working_copy
+from .job import copy_submission, hidden_paths, job_base, run_job, runs_need, working_copy
 from .lab import NOTEBOOK, GradingError, Lab, load_lab
 from .sandbox import SandboxPlan, SandboxPolicy, cleanup, plan_sandbox
 from .untrusted import (MAX_OUTPUT_CHARS, UntrustedFileError, cap_notebook, cap_text, load_json_beneath,
@@ -145,7 +145,13 @@ def grade(lab_dir: str | Path, submissions: list, out_dir: str | Path | None = N
     report.prepare_out_dir(out, private=os.geteuid() == 0)
     checks = lab_checks(lab.path)  # loaded once, here: check code never runs where a student's code runs
     base = job_base(options.workdir, options.sandbox)
-    ctx = _Context(lab, checks, options, out, base, hidden_paths(lab, [s.path for s in subs], out, base, options.hide))
+    try:
+        needed = runs_need(base) if options.sandbox else []
+    except Exception:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    hide, cover = hidden_paths(lab, [s.path for s in subs], out, base, options.hide, needed) if needed else ([], [])
+    ctx = _Context(lab, checks, options, out, base, hide, cover, needed)
     results: list[SubmissionResult] = []
     try:
         with ThreadPoolExecutor(max_workers=max(1, options.jobs), thread_name_prefix="grade") as pool:
@@ -172,6 +178,8 @@ class _Context:
     out: Path
     base: Path
     hide: list[str]
+    cover: list[str] = field(default_factory=list)
+    needed: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -203,7 +211,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
     policy = SandboxPolicy(memory_mb=opts.memory_mb or settings.memory_mb,
                            network=settings.network if opts.network is None else opts.network,
-                           hide=tuple(ctx.hide))
+                           hide=tuple(ctx.hide), cover=tuple(ctx.cover), needed=tuple(ctx.needed),
+                           workdir=str(job))
     if opts.sandbox:
         plan = plan_sandbox(policy)
     else:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
 from .release import DEFAULT_LABS, repo_root, student_file
-from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths
+from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
 RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit
@@ -75,6 +75,16 @@ def _own_file(own: Path, rel: Path) -> Path | None:
     return path if path.stat().st_size <= MAX_SUBMISSION_BYTES else None
 
 
+def runner_env() -> dict[str, str]:
+    """The grader's environment as far as a submission's run may see it (ENV_KEEP)."""
+    return {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+
+
+def runs_need(base: Path) -> list[str]:
+    """What every run must be able to read, from the runs' own view (`runner_needed_paths`)."""
+    return runner_needed_paths({**runner_env(), "PYTHONDONTWRITEBYTECODE": "1"}, base)
+
+
 def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float, total: float,
             log_path: Path) -> dict:
     """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted)."""
@@ -86,7 +96,7 @@ def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float,
     if plan.uid is not None:
         chown_tree(job, plan.uid, plan.gid)
     job.chmod(0o700)
-    env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+    env = runner_env()
     env.update(HOME=str(job / "home"), TMPDIR=str(job / "tmp"), USER="student", LOGNAME="student",
                PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
     with open(log_path, "wb") as log:
@@ -138,26 +148,44 @@ def job_base(workdir: str | None, sandbox: bool) -> Path:
     return base
 
 
-def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    """What a submission must not see: the reference lab and its siblings, .git, other submissions, the grades."""
+def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra: tuple[str, ...] = (),
+                 needed: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """What a submission must not see, as (hide, cover).
+
+    hide: the reference lab and its siblings, other submissions, the grades, what `extra` names. cover: the
+    checkouts the lab and the scalelab packages (the grader's and the runs', `needed`) live in — shown to the run
+    as empty folders but for what it needs inside them (`needed`), so no other copy of the labs in them is seen.
+    A path the runs need (or the job folders' `base`) is never hidden; a folder holding one is covered instead.
+    """
+    needed = [Path(p) for p in (needed if needed is not None else needed_paths())]
     cands = {lab.path, out, *[Path(p).resolve() for p in extra]}
     cands.update(find_labs(lab.path.parent))
     cands.update(find_labs(DEFAULT_LABS))
-    for root in {repo_root(), git_root(lab.path)}:
-        if root is not None and (root / ".git").exists():
+    # The checkouts: the lab's, the grader's and the runs' (of their package folders, not of the interpreter's).
+    roots = {git_root(lab.path), repo_root(), *(checkout_of(p) for p in needed if (p / "__init__.py").exists())}
+    checkouts = {r for r in roots if r is not None and ((r / ".git").exists() or (r / "pyproject.toml").exists())
+                 and not any(k == r or k in r.parents for k in needed)}
+    for root in checkouts:
+        if (root / ".git").exists():
             cands.add(root / ".git")
-    keep = [base.resolve(), *map(Path, needed_paths())]
-    hide = set()
+    hide, cover = set(), set()
     for path in submissions:
         parent = path.resolve().parent
         target = parent.parent if path.name == NOTEBOOK else parent
         cands.add(target)
         hide.add(path.resolve())  # used when its folder cannot be covered whole
-    for cand in cands:
+    base = base.resolve()
+    for cand in [*cands, *checkouts]:
         cand = Path(cand).resolve()
-        if not any(k == cand or cand in k.parents for k in keep):
-            hide.add(cand)
-    return sorted(str(p) for p in hide if os.path.lexists(p))
+        if cand == base or cand in base.parents or any(cand == k for k in needed):
+            continue  # the job folders and what the runs need stay visible
+        (cover if any(cand in k.parents for k in needed) else hide).add(cand)
+    return sorted(str(p) for p in hide if os.path.lexists(p)), sorted(str(p) for p in cover)
+
+
+def checkout_of(package: Path) -> Path | None:
+    """The source tree a package folder belongs to: its git checkout, or its parent when that has pyproject.toml."""
+    return git_root(package) or (package.parent if (package.parent / "pyproject.toml").exists() else None)
 
 
 def git_root(path: Path) -> Path | None:

@@ -13,7 +13,14 @@ As root (the intended way to run a batch):
   connect to a port the host listens on fails. `verify_network_isolation()` proves this on the machine;
 - hidden paths: a new mount namespace where each hidden folder is covered by an empty read-only tmpfs and
   each hidden file by /dev/null (the lab's reference folder, hidden checks, the repository's .git, other
-  students' submissions, the grading output);
+  students' submissions, the grading output). Whole checkouts (the one holding the lab, the one the grader and
+  the runner's interpreter import scalelab from) are *covered*: an empty tmpfs with only what the run needs
+  (the package folders, a venv inside it) bound back read-only, so no copy of a lab in them is visible;
+- private temporary folders: /tmp, /var/tmp and /dev/shm are fresh, empty tmpfs mounts (as systemd's
+  PrivateTmp), with the run's own job folder (and anything it needs that lives there) bound back, so a copy of
+  the course someone left in /tmp is out of sight too;
+- after confining itself the run checks that every hidden path is gone (`confinement_leaks`) and refuses to
+  start the notebook otherwise: a mount that did not take effect fails loudly instead of leaking;
 - memory: a cgroup v2 `memory.max` (+ `pids.max`) when a writable cgroup2 with the memory controller exists,
   else RLIMIT_AS per process; always RLIMIT_NPROC (per uid), RLIMIT_FSIZE, no core files.
 
@@ -45,6 +52,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 class SandboxError(ScalelabError):
@@ -63,6 +71,14 @@ class SandboxPolicy:
     """As root: run each submission as a fresh throwaway uid."""
     hide: tuple[str, ...] = ()
     """Paths the submission must not see (folders get an empty tmpfs, files /dev/null)."""
+    cover: tuple[str, ...] = ()
+    """Folders shown empty but for the needed paths inside them (the checkouts labs and packages live in)."""
+    needed: tuple[str, ...] = ()
+    """What the run must read (interpreter, venv, the scalelab it imports); empty: `needed_paths()` of this process."""
+    private_tmp: bool = True
+    """Give the run empty /tmp, /var/tmp and /dev/shm of its own."""
+    workdir: str | None = None
+    """The run's own folder (job folder): stays visible and writable inside a private temporary folder."""
     max_processes: int = 256
     """Processes the run may have at once (RLIMIT_NPROC per throwaway uid; pids.max with a cgroup)."""
     max_file_mb: int = 2048
@@ -81,8 +97,14 @@ class SandboxPlan:
     userns: bool = False
     """Not root: enter a user namespace first (what lets an ordinary user make network and mount namespaces)."""
     hide: list[str] = field(default_factory=list)
+    cover: list[str] = field(default_factory=list)
+    """Folders covered by an empty tmpfs before the `expose` paths inside them are bound back."""
     expose: list[str] = field(default_factory=list)
-    """Paths the throwaway uid needs (the interpreter) under a folder it may not enter (e.g. /root, mode 700)."""
+    """Paths the run needs under a covered folder or one the throwaway uid may not enter (e.g. /root, mode 700)."""
+    private: list[str] = field(default_factory=list)
+    """Temporary folders replaced by an empty writable tmpfs (mode 1777)."""
+    writable: list[str] = field(default_factory=list)
+    """Folders bound back read-write into a private temporary folder (the job folder)."""
     memory_bytes: int | None = None
     memory_via: str = "none"
     """'cgroup2', 'rlimit' or 'none'."""
@@ -108,7 +130,7 @@ class SandboxPlan:
                 "network": {"root": "isolated (network namespace)", "user": "isolated (user namespace)",
                             "none": "not isolated"}[self.netns],
                 "memory": f"{self.memory_bytes // 2**20} MiB via {self.memory_via}" if self.memory_bytes else "none",
-                "hidden_paths": len(self.hide), "notes": list(self.notes)}
+                "hidden_paths": len(self.hide), "covered_folders": len(self.cover), "notes": list(self.notes)}
 
 
 # -- planning (in the grader) ------------------------------------------------------------------------------------
@@ -118,18 +140,34 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
     root = os.geteuid() == 0
     plan = SandboxPlan(hide=[os.path.realpath(p) for p in policy.hide if os.path.lexists(p)],
                        max_processes=policy.max_processes, max_file_bytes=policy.max_file_mb * 2**20)
+    needed = [bind_target(p) for p in (policy.needed or needed_paths())]
+    covers = sorted({os.path.realpath(c) for c in policy.cover if os.path.isdir(c)})
+    plan.cover = [c for c in covers if any(_inside(p, c) for p in needed)]
+    plan.hide = sorted(set(plan.hide) | {c for c in covers if c not in plan.cover and
+                                         not any(p == c or _inside(c, p) for p in needed)})
+    if policy.private_tmp:
+        plan.private = [t for t in PRIVATE_TMP if os.path.isdir(t) and not os.path.islink(t)
+                        and not any(p == t or _inside(t, p) for p in needed)]
+        plan.writable = [bind_target(policy.workdir)] if policy.workdir and any(
+            _inside(bind_target(policy.workdir), t) for t in plan.private) else []
+    plan.expose = [p for p in needed if any(_inside(p, c) for c in plan.cover + plan.private)]
     if root and policy.own_user:
         plan.uid = plan.gid = uid if uid is not None else free_uid()
-        plan.expose = [p for p in needed_paths() if blocking_ancestor(p) is not None]
+        for p in needed:
+            if blocking_ancestor(p) == os.path.realpath(p):
+                raise SandboxError(f"{p} is needed by every graded run but other users may not enter it (mode "
+                                   f"{os.stat(p).st_mode & 0o777:o}); each submission runs as a throwaway user: "
+                                   f"chmod o+rx {p}, or grade with --no-sandbox on a machine you trust")
+        plan.expose = sorted(set(plan.expose) | {p for p in needed if blocking_ancestor(p) is not None})
     elif policy.own_user:
         plan.notes.append("not root: the submission runs as the grader's own user (it can read what that user "
                           "can, including hidden checks on disk; hiding paths is best effort)")
     if not root:
         userns_ok = verify_network_isolation("user")["isolated"]  # also proves user namespaces work here
-        if plan.hide and not userns_ok:
-            plan.hide = []
+        if (plan.hide or plan.cover or plan.private) and not userns_ok:
+            plan.hide, plan.cover, plan.expose, plan.private, plan.writable = [], [], [], [], []
             plan.notes.append("no user namespaces here: paths cannot be hidden from the submission")
-        plan.userns = userns_ok and bool(plan.hide or not policy.network)
+        plan.userns = userns_ok and bool(plan.hide or plan.cover or plan.private or not policy.network)
     if not policy.network:
         mode = "root" if root else "user"
         check = verify_network_isolation(mode)
@@ -154,12 +192,73 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
 
 
 def needed_paths() -> list[str]:
-    """What any run needs to read: the interpreter's installation, the environment, this package."""
-    here = Path(__file__).resolve().parents[2]
-    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, here,
-                                           os.path.dirname(os.path.realpath(sys.executable)))}
+    """What a run of this interpreter needs to read: its installation, the environment, scalelab's package folders.
+
+    Not the checkout scalelab lives in: only `scalelab/` and `widgets/` of it (with an editable install), so that
+    the checkout can be covered and its labs and tests stay out of sight. A venv reached through a symbolic link
+    is listed under both names (the link is what the interpreter's path goes through).
+    """
+    import importlib.util
+    packages = [Path(__file__).resolve().parents[1]]
+    spec = importlib.util.find_spec("scalelab.widgets")
+    if spec is not None and spec.origin:
+        packages.append(Path(spec.origin).resolve().parent)
+    paths = {bind_target(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable), *packages)}
+    paths |= {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable)))}
     # Keep the outermost only: binding a folder brings its subfolders along.
-    return sorted(p for p in paths if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths))
+    return sorted(p for p in paths if not any(_inside(p, q) for q in paths))
+
+
+def runner_needed_paths(env: dict, cwd: str | Path, timeout: float = 120.0) -> list[str]:
+    """`needed_paths()` as seen by a fresh run of this interpreter with `env` (what the runner and kernel import).
+
+    The grader may import scalelab from elsewhere (e.g. the current folder) than its runs do (the venv's editable
+    install): what must stay readable, and which checkout to cover, is decided by the runs' view.
+    """
+    code = "import json; from scalelab.grade.sandbox import needed_paths; print(json.dumps(needed_paths()))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode == 0:
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+        why = proc.stderr.strip()[-1500:]
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        why = str(e)
+    raise SandboxError(f"{sys.executable} cannot import scalelab with the environment a submission gets (PATH, "
+                       f"PYTHONPATH, VIRTUAL_ENV kept): {why}; grade from the course venv (make setup) or set "
+                       "PYTHONPATH so that scalelab imports")
+
+
+def bind_target(path: str | os.PathLike) -> str:
+    """`path` with its folders' symbolic links resolved but not a link at its end: where a bind mount must go."""
+    path = os.path.abspath(os.fspath(path))
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` lies strictly inside `folder` (by name)."""
+    return path != folder and path.startswith(folder.rstrip("/") + "/")
+
+
+def confinement_leaks(plan: SandboxPlan) -> list[str]:
+    """Hidden or covered paths this process can still read (what `apply_sandbox` checks last; [] when confined)."""
+    leaks = []
+    for p in plan.hide:
+        try:
+            if os.path.isdir(p) and os.listdir(p):
+                leaks.append(p)
+            elif os.path.isfile(p) and os.path.getsize(p) > 0:
+                leaks.append(p)
+        except OSError:
+            pass  # cannot be read: hidden enough
+    for c in plan.cover + plan.private:
+        allowed = {Path(p).relative_to(c).parts[0] for p in plan.expose + plan.writable if _inside(p, c)}
+        try:
+            extra = sorted(set(os.listdir(c)) - allowed)
+        except OSError:
+            continue
+        leaks += [os.path.join(c, name) for name in extra]
+    return leaks
 
 
 def blocking_ancestor(path: str) -> str | None:
@@ -253,7 +352,8 @@ def apply_sandbox(plan: SandboxPlan) -> None:
     _call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the run come back to us, not to init
     if plan.cgroup:
         Path(plan.cgroup, "cgroup.procs").write_text(str(os.getpid()))
-    flags = (CLONE_NEWNET if plan.netns in ("root", "user") else 0) | (CLONE_NEWNS if plan.hide or plan.expose else 0)
+    mounts = bool(plan.hide or plan.cover or plan.expose or plan.private)
+    flags = (CLONE_NEWNET if plan.netns in ("root", "user") else 0) | (CLONE_NEWNS if mounts else 0)
     uid, gid = os.getuid(), os.getgid()
     if plan.userns or plan.netns == "user":
         flags |= CLONE_NEWUSER
@@ -263,7 +363,8 @@ def apply_sandbox(plan: SandboxPlan) -> None:
         _map_ids(uid, gid)
     if flags & CLONE_NEWNS:
         _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
-        _expose(plan.expose)
+        _expose(plan.expose, plan.cover, blocking=plan.uid is not None, private=plan.private,
+                writable=plan.writable)
         _hide(plan.hide)
     if flags & CLONE_NEWNET:
         loopback_up()
@@ -273,6 +374,10 @@ def apply_sandbox(plan: SandboxPlan) -> None:
         os.setgid(plan.gid)
         os.setuid(plan.uid)
     _call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    leaks = confinement_leaks(plan) if mounts else []
+    if leaks:
+        raise SandboxError(f"hidden paths are still visible after confinement: {leaks[:5]}"
+                           f"{' ...' if len(leaks) > 5 else ''}; the submission was not run")
 
 
 def _map_ids(uid: int, gid: int) -> None:
@@ -282,14 +387,26 @@ def _map_ids(uid: int, gid: int) -> None:
     Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
 
 
-def _expose(paths: list[str]) -> None:
-    # Cover each blocking folder (e.g. /root) with an empty tmpfs, then bind back only the needed paths into it:
-    # the throwaway uid reaches the interpreter and nothing else of that folder.
-    tops = {p: blocking_ancestor(p) for p in paths}  # worked out before any tmpfs changes the answer
-    fds = {p: os.open(p, os.O_PATH) for p in paths}  # opened before they disappear under the tmpfs
+def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[str] = (),
+            writable: list[str] = ()) -> None:
+    # Cover each covered checkout and each blocking folder (e.g. /root) with an empty read-only tmpfs, and each
+    # private temporary folder with an empty writable one; then bind back only the needed paths (read-only) and
+    # the run's own folder (read-write) into them: nothing else of those folders is reachable.
+    binds = [(p, True) for p in paths] + [(w, False) for w in writable]
+    tops = {}
+    for p, _ in binds:  # worked out before any tmpfs changes the answer
+        cands = [c for c in [*covers, *private] if _inside(p, c)]
+        if blocking and blocking_ancestor(p):
+            cands.append(blocking_ancestor(p))
+        tops[p] = min(cands, key=len) if cands else None  # all are ancestors of p: the shortest is the outermost
+    fds = {p: os.open(p, os.O_PATH) for p, _ in binds}  # opened before they disappear under the tmpfs
     covered = set()
     try:
-        for p, fd in fds.items():
+        for t in private:
+            if t not in covered:
+                _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+                covered.add(t)
+        for p, readonly in sorted(binds):
             top = tops[p]
             if top is None:
                 continue
@@ -297,9 +414,10 @@ def _expose(paths: list[str]) -> None:
                 _call("mount", b"tmpfs", os.fsencode(top), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=755")
                 covered.add(top)
             os.makedirs(p, mode=0o755, exist_ok=True)
-            _call("mount", os.fsencode(f"/proc/self/fd/{fd}"), os.fsencode(p), None, MS_BIND | MS_REC, None)
-            _call("mount", None, os.fsencode(p), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
-        for top in covered:
+            _call("mount", os.fsencode(f"/proc/self/fd/{fds[p]}"), os.fsencode(p), None, MS_BIND | MS_REC, None)
+            if readonly:
+                _call("mount", None, os.fsencode(p), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+        for top in covered - set(private):
             _call("mount", None, os.fsencode(top), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
     finally:
         for fd in fds.values():
@@ -441,4 +559,5 @@ def _probe_main(plan_json: str, port: int) -> None:
 
 
 __all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "apply_sandbox", "cleanup", "gpu_devices",
-           "verify_network_isolation", "free_uid", "cgroup2_base", "loopback_up"]
+           "verify_network_isolation", "free_uid", "cgroup2_base", "loopback_up", "confinement_leaks",
+           "needed_paths", "runner_needed_paths", "bind_target"]
