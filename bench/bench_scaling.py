@@ -1,12 +1,18 @@
 """Weak scaling on this machine: samples/s with 1 and 2 workers, DDP and Horovod, the same model.
 
     .venv/bin/python bench/bench_scaling.py            # writes bench/results/bench_scaling.json
-    .venv/bin/python bench/bench_scaling.py --repeats 1 --steps 40   # quicker
+    .venv/bin/python bench/bench_scaling.py --repeats 3 --steps 60   # quicker
 
 Each rank gets one intra-op thread (threads_per_worker=1), so 2 workers on 2 cores is weak scaling by cores:
 ideal is 2x the 1-worker throughput. Efficiency = samples/s(2) / (2 x samples/s(1)); the Horovod/DDP ratio
 compares the 2-worker throughputs. Targets on a 2-core CPU machine: efficiency >= 0.90, Horovod/DDP >= 0.95.
-Each configuration runs `--repeats` times; the median throughput is reported.
+
+A small cloud VM drifts by +-20 % from one minute to the next, far more than the effect measured. So the
+configurations run interleaved: each repeat runs all of them back to back (in a rotated order), the ratios are
+taken within a repeat, and the reported figure is the median of the per-repeat ratios. Throughput is the
+engine's own steady-state figure (the summary skips the first tenth of the steps). The machine's own ceiling is
+measured too: two independent 1-worker runs at once (no communication at all), so a shortfall can be told
+apart from what two busy cores give on this machine.
 """
 from __future__ import annotations
 
@@ -27,57 +33,76 @@ from scalelab.launch import launch  # noqa: E402
 from scalelab.metrics import scaling_efficiency  # noqa: E402
 from scalelab.spec import preset  # noqa: E402
 
-CONFIGS = [("ddp", "local"), ("horovod", "horovodrun")]
+# name -> (strategy, launcher, workers)
+CONFIGS = {"ddp_1": ("ddp", "local", 1), "ddp_2": ("ddp", "local", 2),
+           "horovod_1": ("horovod", "horovodrun", 1), "horovod_2": ("horovod", "horovodrun", 2)}
 
 
-def bench_spec(strategy, launcher, workers, steps, out):
-    """A CNN on 32x32 fields whose step is long enough (tens of ms) that compute, not set-up, is measured."""
+def bench_spec(strategy, launcher, workers, steps, out, batch=128):
+    """A CNN on 32x32 fields whose step is long enough (~0.1 s) that compute, not set-up, is measured."""
     return preset("tiny").with_overrides({
         "name": f"bench-{strategy}-{workers}", "strategy": strategy, "launcher": launcher,
         "world.workers_per_node": workers, "world.threads_per_worker": 1,
         "model.width": 32, "model.depth": 3, "data.size": 32, "data.samples": 4096,
-        "optim.batch_per_worker": 64, "steps": steps, "output_dir": str(out)})
+        "optim.batch_per_worker": batch, "steps": steps, "output_dir": str(out)})
 
 
-def measure(strategy, launcher, workers, steps, repeats, tmp) -> dict:
-    rates = []
-    for i in range(repeats):
-        out = Path(tmp) / f"{strategy}-{workers}-{i}"
-        summary = launch(bench_spec(strategy, launcher, workers, steps, out)).wait(timeout=600)
-        rates.append(summary["samples_per_s"])
-        frac = summary["time_fraction"]
-    return {"strategy": strategy, "launcher": launcher, "workers": workers, "samples_per_s": statistics.median(rates),
-            "runs": rates, "time_fraction_last_run": frac}
+def run_once(name, steps, batch, out) -> dict:
+    strategy, launcher, workers = CONFIGS[name]
+    s = launch(bench_spec(strategy, launcher, workers, steps, out, batch)).wait(timeout=600)
+    return {"samples_per_s": s["samples_per_s"], "time_fraction": s["time_fraction"]}
+
+
+def independent_pair(steps, batch, out) -> float:
+    """Two 1-worker DDP runs started together: their summed samples/s is what 2 busy cores give here."""
+    runs = [launch(bench_spec("ddp", "local", 1, steps, Path(out) / f"solo-{i}", batch)) for i in range(2)]
+    return sum(r.wait(timeout=600)["samples_per_s"] for r in runs)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=128, help="samples per worker per step")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_scaling.json"))
     args = parser.parse_args(argv)
-    results = {}
+    names = list(CONFIGS) + ["independent_2"]
+    runs = {n: [] for n in names}
+    per_repeat = []
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy, launcher in CONFIGS:
-            for workers in (1, 2):
-                r = measure(strategy, launcher, workers, args.steps, args.repeats, tmp)
-                results[f"{strategy}_{workers}"] = r
-                print(f"{strategy:8s} {workers} worker(s): {r['samples_per_s']:9.1f} samples/s  runs={r['runs']}",
-                      flush=True)
+        for i in range(args.repeats):
+            order = names[i % len(names):] + names[:i % len(names)]
+            got = {}
+            for n in order:
+                out = Path(tmp) / f"{n}-{i}"
+                got[n] = (independent_pair(args.steps, args.batch, out) if n == "independent_2"
+                          else run_once(n, args.steps, args.batch, out)["samples_per_s"])
+                runs[n].append(got[n])
+            r = {"efficiency_ddp": scaling_efficiency(got["ddp_2"], got["ddp_1"], 2),
+                 "efficiency_horovod": scaling_efficiency(got["horovod_2"], got["horovod_1"], 2),
+                 "horovod_over_ddp": got["horovod_2"] / got["ddp_2"],
+                 "machine_ceiling": scaling_efficiency(got["independent_2"], got["ddp_1"], 2)}
+            per_repeat.append({"samples_per_s": got, **r})
+            print(f"repeat {i}: " + "  ".join(f"{k} {v:7.1f}" for k, v in got.items()) + "  |  "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+    med = {k: statistics.median(p[k] for p in per_repeat)
+           for k in ("efficiency_ddp", "efficiency_horovod", "horovod_over_ddp", "machine_ceiling")}
     report = {
-        "benchmark": "weak scaling, 1 vs 2 workers, 1 thread per worker",
+        "benchmark": "weak scaling, 1 vs 2 workers, 1 thread per worker, interleaved repeats",
+        "command": "python bench/bench_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": args.steps, "repeats": args.repeats,
-        "results": results,
-        "efficiency_ddp": scaling_efficiency(results["ddp_2"]["samples_per_s"], results["ddp_1"]["samples_per_s"], 2),
-        "efficiency_horovod": scaling_efficiency(results["horovod_2"]["samples_per_s"],
-                                                 results["horovod_1"]["samples_per_s"], 2),
-        "horovod_over_ddp": results["horovod_2"]["samples_per_s"] / results["ddp_2"]["samples_per_s"],
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": args.steps, "batch_per_worker": args.batch,
+        "repeats": args.repeats,
+        "results": {n: {"samples_per_s": statistics.median(v), "runs": v} for n, v in runs.items()},
+        **med,
+        "per_repeat": per_repeat,
         "targets": {"efficiency": 0.90, "horovod_over_ddp": 0.95},
+        "met": {"efficiency_ddp": med["efficiency_ddp"] >= 0.90, "efficiency_horovod": med["efficiency_horovod"] >= 0.90,
+                "horovod_over_ddp": med["horovod_over_ddp"] >= 0.95},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("efficiency_ddp", "efficiency_horovod", "horovod_over_ddp")}, indent=2))
+    print(json.dumps({k: report[k] for k in (*med, "met")}, indent=2))
     print(f"wrote {args.out}")
     return 0
 
