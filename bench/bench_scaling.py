@@ -13,6 +13,10 @@ taken within a repeat, and the reported figure is the median of the per-repeat r
 engine's own steady-state figure (the summary skips the first tenth of the steps). The machine's own ceiling is
 measured too: two independent 1-worker runs at once (no communication at all), so a shortfall can be told
 apart from what two busy cores give on this machine.
+
+Horovod starts under mpirun by default (its MPI controller, ranks yielding when idle): on 2 busy cores, the Gloo
+controller of `horovodrun --gloo` pays a TCP round trip between the ranks' background threads every 1 ms cycle
+and measured 10-15 % slower at 2 workers here. `--horovod-launcher horovodrun` measures that path.
 """
 from __future__ import annotations
 
@@ -64,8 +68,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=128, help="samples per worker per step")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--horovod-launcher", choices=("horovodrun", "mpirun"), default="mpirun",
+                        help="how the Horovod runs start: MPI controller (mpirun, default) or Gloo (horovodrun)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_scaling.json"))
     args = parser.parse_args(argv)
+    for n in ("horovod_1", "horovod_2"):
+        CONFIGS[n] = ("horovod", args.horovod_launcher, CONFIGS[n][2])
     names = list(CONFIGS) + ["independent_2"]
     runs = {n: [] for n in names}
     per_repeat = []
@@ -92,6 +100,7 @@ def main(argv=None) -> int:
         "command": "python bench/bench_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": args.steps, "batch_per_worker": args.batch,
+        "horovod_launcher": args.horovod_launcher,
         "repeats": args.repeats,
         "results": {n: {"samples_per_s": statistics.median(v), "runs": v} for n, v in runs.items()},
         **med,
