@@ -1,70 +1,16 @@
-"""Student copies of the labs, built the way `scalelab labs release` builds them, and grading helpers.
-
-The lab tests (test_lab0N_*.py) import `student_copy`, `grade` and `grading_parameters` from here. The tests in
-this file check the labs' exercise markers themselves: balanced, and every exercise followed by a record().
-"""
+"""The labs' exercise markers and conventions: balanced markers, every exercise followed by a record(), a
+tagged parameters cell, lab.yaml complete. The helpers the lab tests share live in tests/labtests.py."""
 from __future__ import annotations
 
 import json
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
-from scalelab.grade.checks import lab_checks, run_checks
+from labtests import BEGIN, END, ROOT, student_source
 
-ROOT = Path(__file__).resolve().parent.parent
 LABS = sorted(p for p in (ROOT / "labs").glob("0[1-4]_*") if (p / "lab.ipynb").exists())
-BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
-
-
-def student_source(source: str) -> str:
-    """A cell's source with each solution block (markers included) replaced by the exercise stub."""
-    out, inside = [], False
-    for line in source.splitlines(keepends=True):
-        text = line.strip()
-        if text == BEGIN:
-            assert not inside, "nested BEGIN SOLUTION"
-            indent = line[: len(line) - len(line.lstrip())]
-            out += [f"{indent}# YOUR CODE HERE\n", f'{indent}raise NotImplementedError("exercise")\n']
-            inside = True
-        elif text == END:
-            assert inside, "END SOLUTION without BEGIN"
-            inside = False
-        elif not inside:
-            out.append(line)
-    assert not inside, "BEGIN SOLUTION without END"
-    return "".join(out)
-
-
-def student_copy(lab_dir: Path, dest: Path) -> Path:
-    """Copy a lab without hidden checks and with its solutions removed; returns the copy's folder."""
-    dest = Path(dest) / lab_dir.name
-    shutil.copytree(lab_dir, dest, ignore=shutil.ignore_patterns("hidden_checks.py", "runs", "__pycache__"))
-    nb = json.loads((lab_dir / "lab.ipynb").read_text())
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            cell["source"] = student_source("".join(cell["source"]))
-    (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
-    return dest
-
-
-def grading_parameters(lab_dir: Path) -> dict:
-    """The small CPU parameters lab.yaml gives for CI and grading."""
-    return yaml.safe_load((lab_dir / "lab.yaml").read_text())["grading"]["parameters"]
-
-
-def grade(lab_dir: Path, records: dict) -> tuple[float, float, list]:
-    """(points, max points, results) of the lab's public and hidden checks on `records`."""
-    results = run_checks(lab_checks(lab_dir), records)
-    return sum(r.points for r in results), sum(r.max_points for r in results), results
-
-
-def failures(results) -> list[str]:
-    """Readable lines for every check that did not fully pass."""
-    return [f"{r.name}: {r.outcome} {r.points}/{r.max_points} {r.message}" for r in results if r.outcome != "pass"]
 
 
 def _code_cells(lab_dir: Path) -> list[str]:

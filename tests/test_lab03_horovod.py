@@ -3,14 +3,12 @@ first exercise and grades below 100 %; a wrong port and forged records fail the 
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 
 from scalelab.grade.execute import execute_notebook
-from scalelab.testing import execute_lab
 
-from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+from labtests import ROOT, assert_full_marks_within, grade, grading_parameters, run_reference, student_copy
 
 LAB = ROOT / "labs" / "03_horovod"
 pytestmark = [pytest.mark.slow, pytest.mark.horovod, pytest.mark.mpi]
@@ -19,17 +17,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.horovod, pytest.mark.mpi]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
-    start = time.monotonic()
-    result = execute_lab(LAB, grading_parameters(LAB), output_dir=tmp_path_factory.mktemp("lab03"),
-                         cell_timeout=240, total_timeout=360)
-    return result.records, time.monotonic() - start
+    return run_reference(LAB, tmp_path_factory.mktemp("lab03"), cell_timeout=240, total_timeout=360)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
-    records, seconds = reference
-    points, most, results = grade(LAB, records)
-    assert points == most, "\n".join(failures(results))
-    assert seconds < 120, f"lab 03 took {seconds:.0f} s under papermill; the budget is 120 s"
+    assert_full_marks_within(LAB, reference, 120)
 
 
 def test_reference_horovod_reproduces_ddp_exactly_on_cpu(reference):

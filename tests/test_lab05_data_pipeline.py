@@ -3,14 +3,12 @@ stops at the first exercise and grades far below; a wrong or forged record fails
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 
 from scalelab.grade.execute import execute_notebook
-from scalelab.testing import execute_lab
 
-from test_lab01_student_copy import ROOT, failures, grade, grading_parameters, student_copy
+from labtests import ROOT, assert_full_marks_within, grade, grading_parameters, run_reference, student_copy
 
 LAB = ROOT / "labs" / "05_data_pipeline"
 pytestmark = pytest.mark.slow
@@ -19,18 +17,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The reference notebook executed once with lab.yaml's grading parameters: (records, seconds)."""
-    out = tmp_path_factory.mktemp("lab05")
-    start = time.monotonic()
-    result = execute_lab(LAB, {**grading_parameters(LAB), "out_dir": str(out / "runs")}, output_dir=out,
-                         cell_timeout=120, total_timeout=240)
-    return result.records, time.monotonic() - start
+    return run_reference(LAB, tmp_path_factory.mktemp("lab05"), cell_timeout=120, total_timeout=240, runs_in_out=True)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
-    records, seconds = reference
-    points, most, results = grade(LAB, records)
-    assert points == most, "\n".join(failures(results))
-    assert seconds < 150, f"lab 05 took {seconds:.0f} s under papermill; the budget is 150 s"
+    assert_full_marks_within(LAB, reference, 150)
 
 
 def test_reference_numbers_tell_the_lab_story(reference):

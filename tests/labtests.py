@@ -1,0 +1,89 @@
+"""Shared helpers of the lab tests (tests/test_lab0N_*.py): student copies, grading, the reference run.
+
+A student copy is built the way `scalelab labs release` builds it (solution blocks replaced by a stub, hidden
+checks left out); `grade` runs a lab's public and hidden checks on records; `run_reference` executes a lab's
+reference notebook under papermill at its grading parameters once per test module.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from scalelab.grade.checks import lab_checks, run_checks
+from scalelab.testing import execute_lab
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+
+
+def student_source(source: str) -> str:
+    """A cell's source with each solution block (markers included) replaced by the exercise stub."""
+    out, inside = [], False
+    for line in source.splitlines(keepends=True):
+        text = line.strip()
+        if text == BEGIN:
+            assert not inside, "nested BEGIN SOLUTION"
+            indent = line[: len(line) - len(line.lstrip())]
+            out += [f"{indent}# YOUR CODE HERE\n", f'{indent}raise NotImplementedError("exercise")\n']
+            inside = True
+        elif text == END:
+            assert inside, "END SOLUTION without BEGIN"
+            inside = False
+        elif not inside:
+            out.append(line)
+    assert not inside, "BEGIN SOLUTION without END"
+    return "".join(out)
+
+
+def student_copy(lab_dir: Path, dest: Path) -> Path:
+    """Copy a lab without hidden checks and with its solutions removed; returns the copy's folder."""
+    dest = Path(dest) / lab_dir.name
+    shutil.copytree(lab_dir, dest, ignore=shutil.ignore_patterns("hidden_checks.py", "runs", "__pycache__"))
+    nb = json.loads((lab_dir / "lab.ipynb").read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["source"] = student_source("".join(cell["source"]))
+    (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
+    return dest
+
+
+def grading_parameters(lab_dir: Path) -> dict:
+    """The small CPU parameters lab.yaml gives for CI and grading."""
+    return yaml.safe_load((lab_dir / "lab.yaml").read_text())["grading"]["parameters"]
+
+
+def grade(lab_dir: Path, records: dict) -> tuple[float, float, list]:
+    """(points, max points, results) of the lab's public and hidden checks on `records`."""
+    results = run_checks(lab_checks(lab_dir), records)
+    return sum(r.points for r in results), sum(r.max_points for r in results), results
+
+
+def failures(results) -> list[str]:
+    """Readable lines for every check that did not fully pass."""
+    return [f"{r.name}: {r.outcome} {r.points}/{r.max_points} {r.message}" for r in results if r.outcome != "pass"]
+
+
+
+def run_reference(lab_dir: Path, out: Path, cell_timeout: float, total_timeout: float,
+                  runs_in_out: bool = False) -> tuple[dict, float]:
+    """Execute the reference notebook with lab.yaml's grading parameters: (records, seconds).
+
+    runs_in_out: point the notebook's out_dir parameter into `out` (labs that write many runs to disk)."""
+    params = grading_parameters(lab_dir)
+    if runs_in_out:
+        params = {**params, "out_dir": str(out / "runs")}
+    start = time.monotonic()
+    result = execute_lab(lab_dir, params, output_dir=out, cell_timeout=cell_timeout, total_timeout=total_timeout)
+    return result.records, time.monotonic() - start
+
+
+def assert_full_marks_within(lab_dir: Path, reference: tuple[dict, float], budget_s: float) -> None:
+    """Every check passes on the reference's records, and the run stayed within its time budget."""
+    records, seconds = reference
+    points, most, results = grade(lab_dir, records)
+    assert points == most, "\n".join(failures(results))
+    assert seconds < budget_s, f"{lab_dir.name} took {seconds:.0f} s under papermill; the budget is {budget_s:g} s"
