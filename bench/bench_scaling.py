@@ -51,10 +51,10 @@ def bench_spec(strategy, launcher, workers, steps, out, batch=128):
         "optim.batch_per_worker": batch, "steps": steps, "output_dir": str(out)})
 
 
-def run_once(name, steps, batch, out) -> dict:
-    strategy, launcher, workers = CONFIGS[name]
-    s = launch(bench_spec(strategy, launcher, workers, steps, out, batch)).wait(timeout=600)
-    return {"samples_per_s": s["samples_per_s"], "time_fraction": s["time_fraction"]}
+def run_once(config, steps, batch, out) -> float:
+    """samples/s of one run of (strategy, launcher, workers)."""
+    strategy, launcher, workers = config
+    return launch(bench_spec(strategy, launcher, workers, steps, out, batch)).wait(timeout=600)["samples_per_s"]
 
 
 def independent_pair(steps, batch, out) -> float:
@@ -72,9 +72,8 @@ def main(argv=None) -> int:
                         help="how the Horovod runs start: MPI controller (mpirun, default) or Gloo (horovodrun)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_scaling.json"))
     args = parser.parse_args(argv)
-    for n in ("horovod_1", "horovod_2"):
-        CONFIGS[n] = ("horovod", args.horovod_launcher, CONFIGS[n][2])
-    names = list(CONFIGS) + ["independent_2"]
+    configs = {n: (c[0], args.horovod_launcher if c[0] == "horovod" else c[1], c[2]) for n, c in CONFIGS.items()}
+    names = list(configs) + ["independent_2"]
     runs = {n: [] for n in names}
     per_repeat = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +83,7 @@ def main(argv=None) -> int:
             for n in order:
                 out = Path(tmp) / f"{n}-{i}"
                 got[n] = (independent_pair(args.steps, args.batch, out) if n == "independent_2"
-                          else run_once(n, args.steps, args.batch, out)["samples_per_s"])
+                          else run_once(configs[n], args.steps, args.batch, out))
                 runs[n].append(got[n])
             r = {"efficiency_ddp": scaling_efficiency(got["ddp_2"], got["ddp_1"], 2),
                  "efficiency_horovod": scaling_efficiency(got["horovod_2"], got["horovod_1"], 2),

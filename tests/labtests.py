@@ -6,6 +6,7 @@ reference notebook under papermill at its grading parameters once per test modul
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -87,3 +88,12 @@ def assert_full_marks_within(lab_dir: Path, reference: tuple[dict, float], budge
     points, most, results = grade(lab_dir, records)
     assert points == most, "\n".join(failures(results))
     assert seconds < budget_s, f"{lab_dir.name} took {seconds:.0f} s under papermill; the budget is {budget_s:g} s"
+
+
+def assert_check_notices(lab_dir: Path, records: dict, forge, check_name: str) -> None:
+    """`forge` (applied to a copy of `records`) makes check `check_name` fail, find a record missing, or give
+    partial credit: the check guards the value it claims to."""
+    records = copy.deepcopy(records)
+    forge(records)
+    outcome = {r.name: r.outcome for r in grade(lab_dir, records)[2]}[check_name]
+    assert outcome in ("fail", "missing", "partial"), f"{check_name} did not notice: {outcome}"

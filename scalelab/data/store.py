@@ -175,12 +175,10 @@ class ThrottledStore(LocalStore):
         # epoch's opens cost opens x open_latency_s on average, as the lab's model of a PFS says.
         if not self.open_latency_s:
             return
-        local = _THREAD_STATE
-        owed = getattr(local, "owed", 0.0)
-        want = self.open_latency_s - owed
+        want = self.open_latency_s - getattr(_THREAD_STATE, "owed", 0.0)
         t0 = time.perf_counter()
         _sleep(want)
-        local.owed = min(max(0.0, (time.perf_counter() - t0) - want), 10 * self.open_latency_s)
+        _THREAD_STATE.owed = min(max(0.0, (time.perf_counter() - t0) - want), 10 * self.open_latency_s)
 
     def read(self, name: str, offset: int = 0, length: int = -1, keep_open: bool = False) -> bytes:
         """Read, then wait until the shared bandwidth budget has carried the bytes."""

@@ -396,16 +396,14 @@ def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[s
     tops = {}
     for p, _ in binds:  # worked out before any tmpfs changes the answer
         cands = [c for c in [*covers, *private] if _inside(p, c)]
-        if blocking and blocking_ancestor(p):
-            cands.append(blocking_ancestor(p))
+        if blocking and (closed := blocking_ancestor(p)):
+            cands.append(closed)
         tops[p] = min(cands, key=len) if cands else None  # all are ancestors of p: the shortest is the outermost
     fds = {p: os.open(p, os.O_PATH) for p, _ in binds}  # opened before they disappear under the tmpfs
-    covered = set()
+    covered = set(private)
     try:
         for t in private:
-            if t not in covered:
-                _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
-                covered.add(t)
+            _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
         for p, readonly in sorted(binds):
             top = tops[p]
             if top is None:
