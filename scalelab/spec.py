@@ -32,6 +32,7 @@ CHECKPOINT_MODES = ("sync", "async", "sharded")
 DATA_FORMATS = ("memory", "files", "shards", "hdf5")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
+MALLOC_POLICIES = ("retain", "system")
 _WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.\-]*$")
 
@@ -91,6 +92,9 @@ class WorldSpec:
     """Nodes (only the slurm launcher spans several)."""
     threads_per_worker: int = 0
     """torch intra-op threads per rank; 0: the node's CPUs divided by workers_per_node."""
+    malloc: str = "retain"
+    """Host memory a rank frees: retain (kept in the process for the next step's tensors) or system (glibc's
+    default: large blocks go back to the OS at each free and are faulted in again, page by page, next step)."""
 
 
 @dataclass

@@ -68,7 +68,7 @@ _OUT_OF_RANGE = {
     "data.format": "tfrecord", "data.samples_per_shard": 0, "data.open_latency_ms": -1.0,
     "data.read_mb_per_s": float("inf"),
     "strategy": "fsdp9", "backend": "nvlink", "device": "tpu", "world.workers_per_node": 0, "world.nodes": 0,
-    "world.threads_per_worker": -1, "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
+    "world.threads_per_worker": -1, "world.malloc": "tcmalloc", "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
     "optim.lr": 0.0, "optim.lr_scaling": "cubic", "optim.base_batch": 0, "optim.warmup_steps": -1,
     "optim.momentum": 1.0, "optim.weight_decay": -0.1, "optim.grad_accum": 0, "precision": "fp8",
     "checkpoint.every_steps": -1, "checkpoint.mode": "magic", "checkpoint.keep_last": 0, "checkpoint.keep_best": -1,
