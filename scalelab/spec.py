@@ -33,6 +33,7 @@ DATA_FORMATS = ("memory", "files", "shards", "hdf5")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
 MALLOC_POLICIES = ("retain", "system")
+WAITS = ("auto", "spin", "block")
 _WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.\-]*$")
 
@@ -95,6 +96,9 @@ class WorldSpec:
     malloc: str = "retain"
     """Host memory a rank frees: retain (kept in the process for the next step's tensors) or system (glibc's
     default: large blocks go back to the OS at each free and are faulted in again, page by page, next step)."""
+    wait: str = "auto"
+    """How a DDP rank on gloo waits for its step's last gradient allreduce: spin (stay on the core, yielding, as
+    MPI does), block (sleep until woken) or auto (spin when this node has a core for every rank's threads)."""
 
 
 @dataclass

@@ -84,6 +84,7 @@ RULES = {
     "world.nodes": (int, _int_at_least(1, 4096)),
     "world.threads_per_worker": (int, _int_at_least(0, 1024)),
     "world.malloc": (str, _choice(S.MALLOC_POLICIES)),
+    "world.wait": (str, _choice(S.WAITS)),
     "launcher": (str, _choice(S.LAUNCHERS)),
     "optim.name": (str, _choice(S.OPTIMIZERS)),
     "optim.batch_per_worker": (int, _int_at_least(1, 1_000_000)),

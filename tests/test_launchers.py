@@ -80,6 +80,7 @@ def _initial_head(tmp_path):
 
 FAULTS = [
     ("ddp", "local", "raise", []), ("ddp", "local", "kill", []), ("ddp", "local", "exit", []),
+    ("ddp", "local", "kill-while-peer-spins", []), ("ddp", "local", "kill-while-peer-blocks", []),
     ("ddp", "torchrun", "kill", []),
     ("horovod", "horovodrun", "raise", [pytest.mark.horovod]),
     ("horovod", "horovodrun", "kill", [pytest.mark.horovod]),
@@ -93,10 +94,14 @@ FAULTS = [
 def test_a_failing_rank_fails_the_run_naming_it_and_nothing_is_left(strategy, launcher, kind, tmp_path, request):
     if launcher == "slurm":
         request.getfixturevalue("slurm_cluster")
+    kind, _, wait = kind.partition("-while-peer-")  # how rank 0 waits at the allreduce rank 1 never joins
+    wait = {"spins": "spin", "blocks": "block"}.get(wait, "auto")
     spec = tiny(tmp_path, strategy=strategy, launcher=launcher, steps=200,
-                **{"fault.kind": kind, "fault.rank": 1, "fault.step": 3})
+                **{"fault.kind": kind, "fault.rank": 1, "fault.step": 3, "world.wait": wait})
     run = launch(spec)
     started = _first_step_time(run)
+    if wait != "auto":
+        assert {e["wait"] for e in run.events() if e["type"] == "start"} <= {wait}
     with pytest.raises(RunFailed) as err:
         run.wait(timeout=60)
     detected = time.time() - started

@@ -62,7 +62,7 @@ def train(spec, info, events) -> dict:
     autocast = _autocast(spec.precision, device)
 
     events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
-                backend=strategy.backend, device=str(device), threads=threads, malloc=malloc, pid=os.getpid(),
+                backend=strategy.backend, device=str(device), threads=threads, malloc=malloc, wait=strategy.wait, pid=os.getpid(),
                 host=socket.gethostname(), total_steps=total_steps, start_step=start_step,
                 resumed_from=resumed_from, global_batch=spec.global_batch, peak_lr=peak_lr,
                 parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy)

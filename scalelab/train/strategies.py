@@ -34,6 +34,30 @@ def pick_backend(spec, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity: a Slurm allocation, a cgroup, taskset), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def resolve_wait(spec, info, backend: str) -> str:
+    """spin or block: how a DDP rank waits for its step's last gradient allreduce (see WorldSpec.wait).
+
+    A blocked rank's core goes idle; on a VM the idle vCPU is halted and handed back to the host, and the
+    rank then pays to be woken and to warm its caches again, every step. Spinning avoids that, and costs
+    nothing when every rank thread has a core of its own; when ranks share cores it would take CPU from the
+    rank being waited for, so auto blocks then. NCCL collectives finish on the GPU: no spinning there.
+    """
+    if backend != "gloo":
+        return "block"
+    if spec.world.wait != "auto":
+        return spec.world.wait
+    threads = spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // info.local_size)
+    return "spin" if info.local_size * threads <= usable_cpus() else "block"
+
+
 class DDPStrategy:
     """torch.distributed + DistributedDataParallel; communication timed by a bucket comm hook."""
 
@@ -43,6 +67,8 @@ class DDPStrategy:
         self.spec, self.info, self.device = spec, info, device
         self.backend = pick_backend(spec, device)
         self.comm_s = 0.0
+        self.wait = "none"
+        """How this rank waits for its last allreduce: spin, block, or none (1 rank: nothing to wait for)."""
 
     def setup(self) -> None:
         """Join the process group (env:// rendezvous: MASTER_ADDR/MASTER_PORT set by the launcher)."""
@@ -58,6 +84,7 @@ class DDPStrategy:
             return model, optimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.device.index] if self.device.type == "cuda" else None
+        self.wait = resolve_wait(self.spec, self.info, self.backend)
         model = DDP(model, device_ids=ids)
         model.register_comm_hook(self, _timed_allreduce_hook)
         return model, optimizer
@@ -107,7 +134,17 @@ def _timed_allreduce_hook(state: DDPStrategy, bucket):
     # bucket's allreduce completes, so the measured time includes queueing behind earlier buckets.
     start = time.perf_counter()
     tensor = bucket.buffer().div_(state.info.world_size)
-    fut = dist.all_reduce(tensor, async_op=True).get_future()
+    work = dist.all_reduce(tensor, async_op=True)
+    if state.wait == "spin" and bucket.is_last():
+        # Backward is over: nothing is left to overlap, so wait here, on the core (see resolve_wait).
+        while not work.is_completed():
+            os.sched_yield()
+        work.wait()  # raises what the allreduce failed with (a peer that died)
+        state.comm_s += time.perf_counter() - start
+        fut = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+    fut = work.get_future()
 
     def done(f):
         state.comm_s += time.perf_counter() - start
@@ -126,6 +163,8 @@ class HorovodStrategy:
         self.hvd, self.spec, self.info, self.device = hvd, spec, info, device
         self.backend = "horovod"
         self.comm_s = 0.0
+        self.wait = "poll"
+        """synchronize() polls Horovod's background thread every millisecond."""
 
     def setup(self) -> None:
         """hvd.init(): Gloo under horovodrun --gloo, MPI under mpirun."""

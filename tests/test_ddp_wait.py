@@ -1,0 +1,68 @@
+"""world.wait: a DDP rank on gloo spins or blocks while it waits for its step's last gradient allreduce."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scalelab.dist import RankInfo
+from scalelab.launch import launch
+from scalelab.spec import preset
+from scalelab.train import strategies
+from scalelab.train.strategies import resolve_wait
+
+from helpers import final_params, tiny
+
+
+def _resolve(wait="auto", backend="gloo", ranks=2, threads=1, cpus=2, monkeypatch=None):
+    monkeypatch.setattr(strategies, "usable_cpus", lambda: cpus)
+    spec = preset("tiny").with_overrides({"world.wait": wait, "world.threads_per_worker": threads,
+                                          "world.workers_per_node": ranks})
+    return resolve_wait(spec, RankInfo(0, ranks, 0, ranks, "torch"), backend)
+
+
+def test_auto_spins_when_every_rank_thread_has_a_core(monkeypatch):
+    assert _resolve(ranks=2, threads=1, cpus=2, monkeypatch=monkeypatch) == "spin"
+    assert _resolve(ranks=4, threads=4, cpus=16, monkeypatch=monkeypatch) == "spin"
+
+
+def test_auto_blocks_when_ranks_share_cores(monkeypatch):
+    # a spinning rank would take CPU from the very rank it waits for
+    assert _resolve(ranks=4, threads=1, cpus=2, monkeypatch=monkeypatch) == "block"
+    assert _resolve(ranks=2, threads=2, cpus=2, monkeypatch=monkeypatch) == "block"
+
+
+def test_an_explicit_choice_is_kept_on_gloo_and_nccl_never_spins(monkeypatch):
+    assert _resolve("block", monkeypatch=monkeypatch) == "block"
+    assert _resolve("spin", ranks=4, cpus=2, monkeypatch=monkeypatch) == "spin"
+    assert _resolve("spin", backend="nccl", monkeypatch=monkeypatch) == "block"
+    assert _resolve("auto", backend="nccl", monkeypatch=monkeypatch) == "block"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity: Linux")
+def test_usable_cpus_follows_the_process_s_affinity_not_the_machine_s_count():
+    code = ("import os; from scalelab.train.strategies import usable_cpus; "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(usable_cpus(), os.cpu_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split()[0] == "1", out.stdout  # as under srun --cpu-bind or taskset -c 0
+
+
+def test_spinning_and_blocking_ranks_train_to_the_same_parameters(tmp_path):
+    runs = {w: launch(tiny(tmp_path, w, workers=2, steps=12, **{"world.wait": w})) for w in ("spin", "block")}
+    for w, run in runs.items():
+        run.wait(timeout=120)
+        assert {e["wait"] for e in run.events() if e["type"] == "start"} == {w}
+        assert {round(e["comm_s"], 9) > 0 for e in run.events() if e["type"] == "step"} == {True}, \
+            f"{w}: the allreduce time was not measured"
+    spin, block = final_params(runs["spin"].run_dir), final_params(runs["block"].run_dir)
+    for name in spin:
+        torch.testing.assert_close(spin[name], block[name], rtol=0, atol=0, msg=f"{name} differs between waits")
+
+
+def test_one_rank_has_nothing_to_wait_for(tmp_path):
+    run = launch(tiny(tmp_path, workers=1, steps=2, **{"world.wait": "spin"}))
+    run.wait(timeout=120)
+    assert next(e for e in run.events() if e["type"] == "start")["wait"] == "none"
