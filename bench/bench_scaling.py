@@ -14,6 +14,12 @@ engine's own steady-state figure (the summary skips the first tenth of the steps
 measured too: two independent 1-worker runs at once (no communication at all), so a shortfall can be told
 apart from what two busy cores give on this machine.
 
+Two engine defaults matter here, and `--set` turns them back to see what they are worth
+(`--set world.malloc=system --set world.wait=block`): world.malloc=retain keeps the memory a rank frees
+(glibc otherwise unmaps the CNN's large buffers at each free and faults them in again next step), and
+world.wait=auto lets a DDP rank on gloo spin at its last allreduce when each rank has a core, instead of
+sleeping and paying the idle vCPU's wake-up every step.
+
 Horovod starts under mpirun by default (its MPI controller, ranks yielding when idle): on 2 busy cores, the Gloo
 controller of `horovodrun --gloo` pays a TCP round trip between the ranks' background threads every 1 ms cycle
 and measured 10-15 % slower at 2 workers here. `--horovod-launcher horovodrun` measures that path.
@@ -33,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scalelab.errors import SpecError  # noqa: E402
 from scalelab.launch import launch  # noqa: E402
 from scalelab.metrics import scaling_efficiency  # noqa: E402
 from scalelab.spec import preset  # noqa: E402
@@ -42,24 +49,26 @@ CONFIGS = {"ddp_1": ("ddp", "local", 1), "ddp_2": ("ddp", "local", 2),
            "horovod_1": ("horovod", "horovodrun", 1), "horovod_2": ("horovod", "horovodrun", 2)}
 
 
-def bench_spec(strategy, launcher, workers, steps, out, batch=128):
-    """A CNN on 32x32 fields whose step is long enough (~0.1 s) that compute, not set-up, is measured."""
+def bench_spec(strategy, launcher, workers, steps, out, batch=128, changes=()):
+    """A CNN on 32x32 fields whose step is long enough (~0.1 s) that compute, not set-up, is measured;
+    `changes` are --set style key=value overrides on top."""
     return preset("tiny").with_overrides({
         "name": f"bench-{strategy}-{workers}", "strategy": strategy, "launcher": launcher,
         "world.workers_per_node": workers, "world.threads_per_worker": 1,
         "model.width": 32, "model.depth": 3, "data.size": 32, "data.samples": 4096,
-        "optim.batch_per_worker": batch, "steps": steps, "output_dir": str(out)})
+        "optim.batch_per_worker": batch, "steps": steps, "output_dir": str(out)}).with_overrides(list(changes))
 
 
-def run_once(config, steps, batch, out) -> float:
+def run_once(config, steps, batch, out, changes=()) -> float:
     """samples/s of one run of (strategy, launcher, workers)."""
     strategy, launcher, workers = config
-    return launch(bench_spec(strategy, launcher, workers, steps, out, batch)).wait(timeout=600)["samples_per_s"]
+    spec = bench_spec(strategy, launcher, workers, steps, out, batch, changes)
+    return launch(spec).wait(timeout=600)["samples_per_s"]
 
 
-def independent_pair(steps, batch, out) -> float:
+def independent_pair(steps, batch, out, changes=()) -> float:
     """Two 1-worker DDP runs started together: their summed samples/s is what 2 busy cores give here."""
-    runs = [launch(bench_spec("ddp", "local", 1, steps, Path(out) / f"solo-{i}", batch)) for i in range(2)]
+    runs = [launch(bench_spec("ddp", "local", 1, steps, Path(out) / f"solo-{i}", batch, changes)) for i in range(2)]
     return sum(r.wait(timeout=600)["samples_per_s"] for r in runs)
 
 
@@ -70,8 +79,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--horovod-launcher", choices=("horovodrun", "mpirun"), default="mpirun",
                         help="how the Horovod runs start: MPI controller (mpirun, default) or Gloo (horovodrun)")
+    parser.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
+                        help="a RunSpec override for every run, as scalelab run --set (repeatable)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_scaling.json"))
     args = parser.parse_args(argv)
+    try:  # a bad --set fails now, not after the first runs
+        world = bench_spec("ddp", "local", 2, 1, ROOT / "bench" / "results", args.batch, args.changes).world
+    except SpecError as e:
+        parser.error(str(e))
     configs = {n: (c[0], args.horovod_launcher if c[0] == "horovod" else c[1], c[2]) for n, c in CONFIGS.items()}
     names = list(configs) + ["independent_2"]
     runs = {n: [] for n in names}
@@ -82,8 +97,8 @@ def main(argv=None) -> int:
             got = {}
             for n in order:
                 out = Path(tmp) / f"{n}-{i}"
-                got[n] = (independent_pair(args.steps, args.batch, out) if n == "independent_2"
-                          else run_once(configs[n], args.steps, args.batch, out))
+                got[n] = (independent_pair(args.steps, args.batch, out, args.changes) if n == "independent_2"
+                          else run_once(configs[n], args.steps, args.batch, out, args.changes))
                 runs[n].append(got[n])
             r = {"efficiency_ddp": scaling_efficiency(got["ddp_2"], got["ddp_1"], 2),
                  "efficiency_horovod": scaling_efficiency(got["horovod_2"], got["horovod_1"], 2),
@@ -100,6 +115,8 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": args.steps, "batch_per_worker": args.batch,
         "horovod_launcher": args.horovod_launcher,
+        "overrides": args.changes,
+        "engine": {f"world.{k}": getattr(world, k) for k in ("malloc", "wait", "threads_per_worker")},
         "repeats": args.repeats,
         "results": {n: {"samples_per_s": statistics.median(v), "runs": v} for n, v in runs.items()},
         **med,

@@ -42,15 +42,16 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_wait(spec, info, backend: str) -> str:
-    """spin or block: how a DDP rank waits for its step's last gradient allreduce (see WorldSpec.wait).
+def resolve_wait(spec, info, host_collectives: bool) -> str:
+    """spin or block: how a rank waits for its step's gradient allreduce (see WorldSpec.wait); the
+    collectives are host ones for DDP on gloo and for Horovod on CPU.
 
     A blocked rank's core goes idle; on a VM the idle vCPU is halted and handed back to the host, and the
     rank then pays to be woken and to warm its caches again, every step. Spinning avoids that, and costs
     nothing when every rank thread has a core of its own; when ranks share cores it would take CPU from the
     rank being waited for, so auto blocks then. NCCL collectives finish on the GPU: no spinning there.
     """
-    if backend != "gloo":
+    if not host_collectives:
         return "block"
     if spec.world.wait != "auto":
         return spec.world.wait
@@ -84,7 +85,7 @@ class DDPStrategy:
             return model, optimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.device.index] if self.device.type == "cuda" else None
-        self.wait = resolve_wait(self.spec, self.info, self.backend)
+        self.wait = resolve_wait(self.spec, self.info, host_collectives=self.backend == "gloo")
         model = DDP(model, device_ids=ids)
         model.register_comm_hook(self, _timed_allreduce_hook)
         return model, optimizer
@@ -163,8 +164,9 @@ class HorovodStrategy:
         self.hvd, self.spec, self.info, self.device = hvd, spec, info, device
         self.backend = "horovod"
         self.comm_s = 0.0
-        self.wait = "poll"
-        """synchronize() polls Horovod's background thread every millisecond."""
+        self.wait = "none"
+        """spin (poll the handles here, yielding), block (synchronize(), which sleeps 1 ms between polls) or
+        none (1 rank)."""
 
     def setup(self) -> None:
         """hvd.init(): Gloo under horovodrun --gloo, MPI under mpirun."""
@@ -178,6 +180,8 @@ class HorovodStrategy:
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              backward_passes_per_step=self.spec.optim.grad_accum, op=hvd.Average)
+        if self.info.world_size > 1:
+            self.wait = resolve_wait(self.spec, self.info, host_collectives=self.device.type == "cpu")
         return model, optimizer
 
     def no_sync(self, model):
@@ -187,12 +191,26 @@ class HorovodStrategy:
     def step(self, optimizer, scaler=None) -> None:
         """Wait for the allreduces (timed), then apply the averaged gradients."""
         start = time.perf_counter()
+        if self.wait == "spin":
+            self._spin_until_reduced(optimizer)
         optimizer.synchronize()
         self.comm_s += time.perf_counter() - start
         if scaler:
             scaler.unscale_(optimizer)  # after synchronize: unscale the averaged gradients
         with optimizer.skip_synchronize():
             _apply(optimizer, scaler)
+
+    def _spin_until_reduced(self, optimizer) -> None:
+        """Wait on the core for the allreduces backward started; synchronize() then finds them done.
+
+        The handles are the DistributedOptimizer's own (`_handles`, Horovod 0.28); a tensor whose hook has
+        not fired yet has none, and synchronize() starts and waits for it as usual.
+        """
+        for handle, _ in list(getattr(optimizer, "_handles", {}).values()):
+            if handle is None or callable(handle):
+                continue
+            while not self.hvd.poll(handle):
+                os.sched_yield()
 
     def take_comm_time(self) -> float:
         """Seconds this rank waited for gradient allreduces since the last call."""

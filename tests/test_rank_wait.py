@@ -1,4 +1,4 @@
-"""world.wait: a DDP rank on gloo spins or blocks while it waits for its step's last gradient allreduce."""
+"""world.wait: a rank spins or blocks while it waits for its step's gradient allreduce (DDP on gloo, Horovod on CPU)."""
 from __future__ import annotations
 
 import os
@@ -17,11 +17,11 @@ from scalelab.train.strategies import resolve_wait
 from helpers import final_params, tiny
 
 
-def _resolve(wait="auto", backend="gloo", ranks=2, threads=1, cpus=2, monkeypatch=None):
+def _resolve(wait="auto", host=True, ranks=2, threads=1, cpus=2, monkeypatch=None):
     monkeypatch.setattr(strategies, "usable_cpus", lambda: cpus)
     spec = preset("tiny").with_overrides({"world.wait": wait, "world.threads_per_worker": threads,
                                           "world.workers_per_node": ranks})
-    return resolve_wait(spec, RankInfo(0, ranks, 0, ranks, "torch"), backend)
+    return resolve_wait(spec, RankInfo(0, ranks, 0, ranks, "torch"), host_collectives=host)
 
 
 def test_auto_spins_when_every_rank_thread_has_a_core(monkeypatch):
@@ -35,11 +35,11 @@ def test_auto_blocks_when_ranks_share_cores(monkeypatch):
     assert _resolve(ranks=2, threads=2, cpus=2, monkeypatch=monkeypatch) == "block"
 
 
-def test_an_explicit_choice_is_kept_on_gloo_and_nccl_never_spins(monkeypatch):
+def test_an_explicit_choice_is_kept_for_host_collectives_and_gpu_ones_never_spin(monkeypatch):
     assert _resolve("block", monkeypatch=monkeypatch) == "block"
     assert _resolve("spin", ranks=4, cpus=2, monkeypatch=monkeypatch) == "spin"
-    assert _resolve("spin", backend="nccl", monkeypatch=monkeypatch) == "block"
-    assert _resolve("auto", backend="nccl", monkeypatch=monkeypatch) == "block"
+    assert _resolve("spin", host=False, monkeypatch=monkeypatch) == "block"  # NCCL: the GPU finishes the op
+    assert _resolve("auto", host=False, monkeypatch=monkeypatch) == "block"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity: Linux")
@@ -50,8 +50,14 @@ def test_usable_cpus_follows_the_process_s_affinity_not_the_machine_s_count():
     assert out.stdout.split()[0] == "1", out.stdout  # as under srun --cpu-bind or taskset -c 0
 
 
-def test_spinning_and_blocking_ranks_train_to_the_same_parameters(tmp_path):
-    runs = {w: launch(tiny(tmp_path, w, workers=2, steps=12, **{"world.wait": w})) for w in ("spin", "block")}
+@pytest.mark.parametrize("strategy, launcher", [
+    ("ddp", "local"),
+    pytest.param("horovod", "horovodrun", marks=pytest.mark.horovod),
+    pytest.param("horovod", "mpirun", marks=[pytest.mark.horovod, pytest.mark.mpi])])
+def test_spinning_and_blocking_ranks_train_to_the_same_parameters(strategy, launcher, tmp_path):
+    runs = {w: launch(tiny(tmp_path, w, workers=2, steps=12, strategy=strategy, launcher=launcher,
+                           **{"world.wait": w}))
+            for w in ("spin", "block")}
     for w, run in runs.items():
         run.wait(timeout=120)
         assert {e["wait"] for e in run.events() if e["type"] == "start"} == {w}
