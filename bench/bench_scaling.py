@@ -1,7 +1,7 @@
 """Weak scaling on this machine: samples/s with 1 and 2 workers, DDP and Horovod, the same model.
 
     .venv/bin/python bench/bench_scaling.py            # writes bench/results/bench_scaling.json
-    .venv/bin/python bench/bench_scaling.py --repeats 3 --steps 60   # quicker
+    .venv/bin/python bench/bench_scaling.py --repeats 3 --steps 60   # quicker (and noisier)
 
 Each rank gets one intra-op thread (threads_per_worker=1), so 2 workers on 2 cores is weak scaling by cores:
 ideal is 2x the 1-worker throughput. Efficiency = samples/s(2) / (2 x samples/s(1)); the Horovod/DDP ratio
@@ -72,11 +72,19 @@ def independent_pair(steps, batch, out, changes=()) -> float:
     return sum(r.wait(timeout=600)["samples_per_s"] for r in runs)
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    """First and third quartiles of the per-repeat ratios (the spread the median sits in)."""
+    if len(values) < 2:
+        return [values[0], values[0]] if values else []
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=128, help="samples per worker per step")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--horovod-launcher", choices=("horovodrun", "mpirun"), default="mpirun",
                         help="how the Horovod runs start: MPI controller (mpirun, default) or Gloo (horovodrun)")
     parser.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
@@ -107,8 +115,9 @@ def main(argv=None) -> int:
             per_repeat.append({"samples_per_s": got, **r})
             print(f"repeat {i}: " + "  ".join(f"{k} {v:7.1f}" for k, v in got.items()) + "  |  "
                   + "  ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
-    med = {k: statistics.median(p[k] for p in per_repeat)
-           for k in ("efficiency_ddp", "efficiency_horovod", "horovod_over_ddp", "machine_ceiling")}
+    ratios = ("efficiency_ddp", "efficiency_horovod", "horovod_over_ddp", "machine_ceiling")
+    med = {k: statistics.median(p[k] for p in per_repeat) for k in ratios}
+    spread = {k: _quartiles([p[k] for p in per_repeat]) for k in ratios}
     report = {
         "benchmark": "weak scaling, 1 vs 2 workers, 1 thread per worker, interleaved repeats",
         "command": "python bench/bench_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -120,6 +129,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "results": {n: {"samples_per_s": statistics.median(v), "runs": v} for n, v in runs.items()},
         **med,
+        "quartiles": spread,
         "per_repeat": per_repeat,
         "targets": {"efficiency": 0.90, "horovod_over_ddp": 0.95},
         "met": {"efficiency_ddp": med["efficiency_ddp"] >= 0.90, "efficiency_horovod": med["efficiency_horovod"] >= 0.90,
@@ -127,7 +137,7 @@ def main(argv=None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in (*med, "met")}, indent=2))
+    print(json.dumps({k: report[k] for k in (*med, "quartiles", "met")}, indent=2))
     print(f"wrote {args.out}")
     return 0
 
