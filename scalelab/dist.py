@@ -60,6 +60,11 @@ def get_rank() -> int:
     return rank_info().rank
 
 
+def threads_per_rank(spec, ranks_on_node: int) -> int:
+    """Intra-op threads per rank: the spec's, or this node's CPUs shared among its ranks."""
+    return spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // ranks_on_node)
+
+
 def get_world_size() -> int:
     """Ranks in the run (1 outside a distributed run)."""
     return rank_info().world_size

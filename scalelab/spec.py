@@ -97,8 +97,9 @@ class WorldSpec:
     """Host memory a rank frees: retain (kept in the process for the next step's tensors) or system (glibc's
     default: large blocks go back to the OS at each free and are faulted in again, page by page, next step)."""
     wait: str = "auto"
-    """How a DDP rank on gloo waits for its step's last gradient allreduce: spin (stay on the core, yielding, as
-    MPI does), block (sleep until woken) or auto (spin when this node has a core for every rank's threads)."""
+    """How a rank waits for its step's gradient allreduce on the host (DDP on gloo, Horovod on CPU): spin (stay
+    on the core, yielding, as MPI does), block (sleep until woken) or auto (spin when this node has a core for
+    every rank's threads). GPU collectives always block."""
 
 
 @dataclass

@@ -61,8 +61,8 @@ def test_spinning_and_blocking_ranks_train_to_the_same_parameters(strategy, laun
     for w, run in runs.items():
         run.wait(timeout=120)
         assert {e["wait"] for e in run.events() if e["type"] == "start"} == {w}
-        assert {round(e["comm_s"], 9) > 0 for e in run.events() if e["type"] == "step"} == {True}, \
-            f"{w}: the allreduce time was not measured"
+        steps = [e for e in run.events() if e["type"] == "step"]
+        assert len(steps) == 2 * 12 and all(e["comm_s"] > 0 for e in steps), f"{w}: allreduce time not measured"
     spin, block = final_params(runs["spin"].run_dir), final_params(runs["block"].run_dir)
     for name in spin:
         torch.testing.assert_close(spin[name], block[name], rtol=0, atol=0, msg=f"{name} differs between waits")

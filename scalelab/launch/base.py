@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psutil
 
+from ..dist import threads_per_rank
+
 from ..errors import LaunchError
 from ..events import EventReader
 from ..run import Run, describe_exit, kill_processes
@@ -37,7 +39,7 @@ def worker_command(run_dir: Path, python: str | None = None) -> list[str]:
 
 def threads_for(spec) -> int:
     """Intra-op threads per rank: the spec's, or this node's CPUs shared among its ranks."""
-    return spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // spec.world.workers_per_node)
+    return threads_per_rank(spec, spec.world.workers_per_node)
 
 
 def find_tool(name: str, fix: str) -> str:

@@ -20,6 +20,7 @@ from ..data import build_dataset, build_loader
 from ..data.batches import resumable_batches
 from ..data.loader import build_eval_set
 from ..data.stored import training_dataset
+from ..dist import threads_per_rank
 from .hostmem import apply_malloc_policy
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
@@ -30,7 +31,7 @@ def train(spec, info, events) -> dict:
     """Run `spec` as rank `info.rank`; returns the end event's fields."""
     started = time.perf_counter()
     malloc = apply_malloc_policy(spec.world.malloc)  # before the first large tensor
-    threads = spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // info.local_size)
+    threads = threads_per_rank(spec, info.local_size)
     torch.set_num_threads(threads)
     device = pick_device(spec, info.local_rank)
     strategy = build_strategy(spec, info, device)
@@ -62,8 +63,8 @@ def train(spec, info, events) -> dict:
     autocast = _autocast(spec.precision, device)
 
     events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
-                backend=strategy.backend, device=str(device), threads=threads, malloc=malloc, wait=strategy.wait, pid=os.getpid(),
-                host=socket.gethostname(), total_steps=total_steps, start_step=start_step,
+                backend=strategy.backend, device=str(device), threads=threads, malloc=malloc, wait=strategy.wait,
+                pid=os.getpid(), host=socket.gethostname(), total_steps=total_steps, start_step=start_step,
                 resumed_from=resumed_from, global_batch=spec.global_batch, peak_lr=peak_lr,
                 parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy)
 

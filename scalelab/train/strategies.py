@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..dist import threads_per_rank
+
 
 def pick_device(spec, local_rank: int) -> torch.device:
     """cuda:<local rank> when asked for (or auto and available), else cpu."""
@@ -55,8 +57,7 @@ def resolve_wait(spec, info, host_collectives: bool) -> str:
         return "block"
     if spec.world.wait != "auto":
         return spec.world.wait
-    threads = spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // info.local_size)
-    return "spin" if info.local_size * threads <= usable_cpus() else "block"
+    return "spin" if info.local_size * threads_per_rank(spec, info.local_size) <= usable_cpus() else "block"
 
 
 class DDPStrategy:
@@ -137,14 +138,10 @@ def _timed_allreduce_hook(state: DDPStrategy, bucket):
     tensor = bucket.buffer().div_(state.info.world_size)
     work = dist.all_reduce(tensor, async_op=True)
     if state.wait == "spin" and bucket.is_last():
-        # Backward is over: nothing is left to overlap, so wait here, on the core (see resolve_wait).
+        # Backward is over: nothing is left to overlap, so wait here, on the core (see resolve_wait). The
+        # future below is then complete, and `done` runs at once (and raises what a failed allreduce raised).
         while not work.is_completed():
             os.sched_yield()
-        work.wait()  # raises what the allreduce failed with (a peer that died)
-        state.comm_s += time.perf_counter() - start
-        fut = torch.futures.Future()
-        fut.set_result(tensor)
-        return fut
     fut = work.get_future()
 
     def done(f):
