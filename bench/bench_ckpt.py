@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 def _sharded(directory, model, opt, x, y, steps, every) -> dict:
     """The training loop with DCP's async save, in a 1-rank gloo process group (async_save needs one)."""
     import torch.distributed as dist
-    from scalelab.run import free_port
+    from scalelab.run.procs import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         return training_with(ShardedCheckpointer(directory, keep_last=1, async_save=True), model, opt, x, y,

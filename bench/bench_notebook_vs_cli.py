@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_notebook_vs_cli.py --repeats 3   # quicker
 
 The notebook path is what a lab cell or widget does: `launch(spec).wait()` inside a Jupyter kernel (run here by
-papermill through scalelab.grade.execute_notebook), the ranks being children of the kernel. The CLI path is
+papermill through scalelab.course.execute.execute_notebook), the ranks being children of the kernel. The CLI path is
 `scalelab run ... --json` in a terminal. Both run the same RunSpec (2 DDP ranks, 1 thread each).
 
 Why the two runs go *at the same time*: on a shared machine the load of other users moves single-run throughput
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scalelab.grade.execute import execute_notebook  # noqa: E402
+from scalelab.course.execute import execute_notebook  # noqa: E402
 
 # The run, as `scalelab run --set` overrides; the notebook builds the same spec from the same overrides.
 OVERRIDES = {"world.workers_per_node": 2, "world.threads_per_worker": 1, "model.width": 16, "data.size": 32,
@@ -41,8 +41,7 @@ TARGET = 0.97
 NOTEBOOK_CELLS = [
     ("parameters", "overrides = {}  # RunSpec overrides of the run\nout = 'run'  # its output folder\n"
                    "go_file = ''  # when set, wait for this file before launching"),
-    ("", "import os, time\nfrom scalelab.launch import launch\nfrom scalelab.record import record\n"
-         "from scalelab.spec import preset\n"
+    ("", "import os, time\nfrom scalelab import launch, preset, record\n"
          "spec = preset('tiny').with_overrides({**overrides, 'output_dir': out})\n"
          "while go_file and not os.path.exists(go_file):\n    time.sleep(0.01)\n"
          "summary = launch(spec).wait(timeout=900)\n"

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from scalelab.errors import SpecError  # noqa: E402
 from scalelab.launch import launch  # noqa: E402
-from scalelab.metrics import scaling_efficiency  # noqa: E402
-from scalelab.spec import preset  # noqa: E402
+from scalelab.run.metrics import scaling_efficiency  # noqa: E402
+from scalelab.run.spec import preset  # noqa: E402
 
 # name -> (strategy, launcher, workers)
 CONFIGS = {"ddp_1": ("ddp", "local", 1), "ddp_2": ("ddp", "local", 2),

@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scalelab.cluster import LocalCluster  # noqa: E402
-from scalelab.hub.testing import HubRunner, slurm_settings  # noqa: E402
+from scalelab.cluster.local import LocalCluster  # noqa: E402
+from scalelab.testing.hub import HubRunner, slurm_settings  # noqa: E402
 
 PROFILE = {"name": "bench", "display_name": "bench", "partition": "cpu", "cpus_per_task": 1, "memory": "1G",
            "walltime": "0:30:00"}

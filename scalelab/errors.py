@@ -37,3 +37,16 @@ class ClusterError(ScalelabError):
 
 class SetupError(ScalelabError):
     """Something the machine needs is missing; the message names the command that installs it."""
+
+
+class UntrustedFileError(ScalelabError, OSError):
+    """A file a graded run left could not be read safely: missing, a link, not a regular file, or too large."""
+
+
+class SpawnFailed(ScalelabError, RuntimeError):
+    """A student's server could not start, for a reason the student should read (JupyterHub shows
+    `jupyterhub_message` on the spawn page; the hub log gets the same text)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.jupyterhub_message = message

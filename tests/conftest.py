@@ -62,7 +62,7 @@ def _real_parts(request):
 def slurm_cluster(tmp_path_factory):
     """A real single-node Slurm, started once for the session (or reused if already up)."""
     CHECKS["slurm"]()
-    from scalelab.cluster import LocalCluster
+    from scalelab.cluster.local import LocalCluster
     cluster = LocalCluster()
     cluster.up()
     yield cluster

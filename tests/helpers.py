@@ -4,7 +4,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from scalelab.spec import preset
+from scalelab.run.spec import preset
 
 
 def tiny(tmp_path, name="run", workers=2, **changes):

@@ -14,30 +14,17 @@ from pathlib import Path
 
 import yaml
 
+from scalelab.course.release import strip_solutions
 from scalelab.grade.checks import lab_checks, run_checks
-from scalelab.testing import execute_lab
+from scalelab.testing.labs import execute_lab
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 
 
 def student_source(source: str) -> str:
-    """A cell's source with each solution block (markers included) replaced by the exercise stub."""
-    out, inside = [], False
-    for line in source.splitlines(keepends=True):
-        text = line.strip()
-        if text == BEGIN:
-            assert not inside, "nested BEGIN SOLUTION"
-            indent = line[: len(line) - len(line.lstrip())]
-            out += [f"{indent}# YOUR CODE HERE\n", f'{indent}raise NotImplementedError("exercise")\n']
-            inside = True
-        elif text == END:
-            assert inside, "END SOLUTION without BEGIN"
-            inside = False
-        elif not inside:
-            out.append(line)
-    assert not inside, "BEGIN SOLUTION without END"
-    return "".join(out)
+    """A cell's source as the release writes it: each solution block (markers included) becomes the exercise stub."""
+    return strip_solutions(source)[0]
 
 
 def student_copy(lab_dir: Path, dest: Path) -> Path:

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from scalelab.ckpt.chain import submit_chain
+from scalelab.launch.chain import submit_chain
 from scalelab.launch import launch
 
 from helpers import final_params, tiny

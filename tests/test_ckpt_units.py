@@ -193,7 +193,7 @@ def _events(mode, blocked):
 
 
 def test_timeline_turns_events_into_intervals_and_totals():
-    from scalelab.ckpt.timeline import timeline
+    from scalelab.experiments.ckpt_timeline import timeline
     tl = timeline(_events("async", 0.05))
     assert tl["checkpoints"] == 2 and tl["mode"] == "async"
     assert tl["steps"][0] == pytest.approx((0.5, 1.0, 1))

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from scalelab import cluster as cluster_mod
+from scalelab.cluster import local as cluster_mod
 from scalelab.cli import main as cli_main
-from scalelab.cluster import LocalCluster, default_state_dir, slurm_conf_text
-from scalelab.cluster_conf import (detect_machine, gres_conf_text, memory_headroom_mb, node_usable, parse_scontrol,
+from scalelab.cluster.local import LocalCluster, default_state_dir, slurm_conf_text
+from scalelab.cluster.conf import (detect_machine, gres_conf_text, memory_headroom_mb, node_usable, parse_scontrol,
                                    summarise)
 from scalelab.errors import ClusterError
 

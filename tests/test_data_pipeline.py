@@ -13,7 +13,7 @@ from scalelab.data.formats import open_dataset, write_dataset
 from scalelab.data.order import OrderAwarePrefetcher, reuse_distances, sampler_order, simulate_cache
 from scalelab.data.prefetch import Prefetcher, batch_reader, batches_of
 from scalelab.data.store import ThrottledStore
-from scalelab.data.straggler import simulate_steps, synchronous_reads
+from scalelab.experiments.straggler import simulate_steps, synchronous_reads
 from scalelab.data.synthetic import heat_fields
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from scalelab import cli, doctor
-from scalelab.doctor import Check
+from scalelab import cli
+from scalelab.cli import doctor
+from scalelab.cli.doctor import Check
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = {"torch", "cuda", "horovod", "horovodrun", "mpirun", "slurm", "slurm cluster",

@@ -11,8 +11,8 @@ import torch
 from scalelab.ckpt import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from scalelab.dist import rank_info
 from scalelab.launch.slurm import batch_script
-from scalelab.metrics import scaling_efficiency, summarize
-from scalelab.spec import preset
+from scalelab.run.metrics import scaling_efficiency, summarize
+from scalelab.run.spec import preset
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -42,7 +42,7 @@ def test_batch_script_carries_resources_and_only_the_options_that_are_set(tmp_pa
         assert line in lines
     assert not any(l.startswith(("#SBATCH --account", "#SBATCH --mem")) for l in lines)
     assert lines[-1].startswith("srun --kill-on-bad-exit=1")
-    assert f"/opt/py/bin/python -m scalelab.worker --spec {tmp_path}/spec.json" in lines[-1]
+    assert f"/opt/py/bin/python -m scalelab.train.worker --spec {tmp_path}/spec.json" in lines[-1]
 
 
 def test_batch_script_for_horovod_starts_ranks_with_mpirun(tmp_path):

@@ -14,9 +14,9 @@ import pytest
 
 from scalelab.grade import (NotebookCellError, NotebookCellTimeout, NotebookDeadKernel, NotebookMalformed,
                             NotebookParameterError, NotebookTimeout, execute_notebook)
-from scalelab.grade.execute import MARKER_TAG, NotebookError
+from scalelab.course.execute import MARKER_TAG, NotebookError
 from scalelab.record import MIME
-from scalelab.testing import execute_lab, format_failure, run_lab
+from scalelab.testing.labs import execute_lab, format_failure, run_lab
 
 NB = Path(__file__).parent / "notebooks"
 

@@ -8,7 +8,7 @@ import pytest
 from scalelab.errors import RunFailed
 from scalelab.experiments.collectives import bandwidths, fit_latency_bandwidth
 from scalelab.launch.spmd import SpmdPool
-from scalelab.spec import preset
+from scalelab.run.spec import preset
 
 AVERAGES = '''
 import torch.distributed as dist

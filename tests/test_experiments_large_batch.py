@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scalelab.experiments import large_batch as lb
-from scalelab.spec import preset
+from scalelab.run.spec import preset
 
 DIGITS = preset("tiny").with_overrides({"data.source": "digits", "model.name": "mlp", "model.width": 32,
                                         "model.depth": 1, "optim.batch_per_worker": 32})

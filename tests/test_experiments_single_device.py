@@ -7,7 +7,7 @@ import time
 import pytest
 
 from scalelab.experiments import single_device as sd
-from scalelab.spec import preset
+from scalelab.run.spec import preset
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from scalelab.cli import main
-from scalelab.grade.release import release_lab
+from scalelab.course.release import release_lab
 from scalelab.grade.sandbox import UID_RANGE
 from scalelab.record import read_records
 

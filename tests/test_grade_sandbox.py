@@ -20,7 +20,9 @@ import psutil
 import pytest
 
 from scalelab.grade.sandbox import (UID_RANGE, SandboxError, SandboxPlan, SandboxPolicy, blocking_ancestor, cleanup,
-                                    confinement_leaks, plan_sandbox, verify_network_isolation)
+                                    plan_sandbox)
+from scalelab.grade.confine import confinement_leaks
+from scalelab.grade.sandbox import verify_network_isolation
 
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
@@ -48,7 +50,7 @@ def open_tmp():
 
 def _confined(plan: SandboxPlan, code: str, timeout=60) -> subprocess.CompletedProcess:
     """Run `code` in a fresh Python that first applies `plan` to itself (as the grader's runner does)."""
-    prog = ("import json, sys; from scalelab.grade.sandbox import SandboxPlan, apply_sandbox; "
+    prog = ("import json, sys; from scalelab.grade.sandbox import SandboxPlan; from scalelab.grade.confine import apply_sandbox; "
             "apply_sandbox(SandboxPlan.from_dict(json.loads(sys.argv[1])))\n" + textwrap.dedent(code))
     return subprocess.run([sys.executable, "-c", prog, json.dumps(plan.to_dict())], capture_output=True, text=True,
                           timeout=timeout, cwd="/")
@@ -233,7 +235,8 @@ def test_hiding_works_without_root_through_a_user_namespace(open_tmp):
     # As nobody (a fresh interpreter, as the runner is): plan, confine, then try to read and to unmount.
     inner = f"""
 import os, subprocess
-from scalelab.grade.sandbox import SandboxPolicy, apply_sandbox, plan_sandbox
+from scalelab.grade.sandbox import SandboxPolicy, plan_sandbox
+from scalelab.grade.confine import apply_sandbox
 plan = plan_sandbox(SandboxPolicy(hide=({str(open_tmp / 'lab')!r},), memory_mb=None, private_tmp=False))
 apply_sandbox(plan)
 print("userns", plan.userns, "listing", os.listdir({str(open_tmp / 'lab')!r}))
@@ -308,7 +311,7 @@ def test_a_needed_folder_others_cannot_enter_is_refused_with_what_to_do(open_tmp
 def test_hidden_paths_covers_every_checkout_and_keeps_what_runs_need(tmp_path):
     # The lab lives in one checkout, the runs import scalelab from another: both are covered, neither is lost.
     from scalelab.grade.job import hidden_paths
-    from scalelab.grade.lab import load_lab
+    from scalelab.course.lab import load_lab
     here = Path(__file__).resolve().parents[1]
     copy = tmp_path / "copy"
     shutil.copytree(here / "tests" / "fixtures" / "grading" / "labs" / "90_fixture", copy / "labs" / "90_fixture")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from scalelab.cli import main
-from scalelab.events import EventWriter
+from scalelab.run.events import EventWriter
 from scalelab.grade import grader
 from scalelab.grade.checks import CheckResult, evidence, lab_checks
 from scalelab.grade.evidence import RUNS, WORKDIR, run_evidence, strip_grader_records
 from scalelab.grade.grader import GradeOptions, SubmissionResult, collect_submissions, grade
-from scalelab.grade.lab import GradingError, load_lab, parameter_defaults, student_files
+from scalelab.course.lab import GradingError, load_lab, parameter_defaults, student_files
 from scalelab.grade.report import feedback_html, result_to_dict, write_gradebook, write_submission
 from scalelab.grade.untrusted import (UntrustedFileError, cap_notebook, cap_text, load_json_beneath, read_beneath,
                                       tolerant_records)

@@ -28,7 +28,7 @@ def student():
         pytest.skip("needs root: creates a Unix account and switches to it")
     if not Path("/usr/bin/python3").exists():
         pytest.skip("needs /usr/bin/python3 for the student-side hand-out")
-    from scalelab.cluster import LocalCluster
+    from scalelab.cluster.local import LocalCluster
 
     existed = True
     try:

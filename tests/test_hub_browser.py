@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scalelab.hub.testing import HubRunner, slurm_settings
+from scalelab.testing.hub import HubRunner, slurm_settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.hub, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import pytest
 
 from scalelab.cli import build_parser, main
 from scalelab.errors import SetupError
-from scalelab.hub import cli as hubcli
+from scalelab.cli import hub as hubcli
 from scalelab.hub.settings import load_settings
 
 
@@ -58,14 +58,14 @@ def test_slurm_on_one_machine_starts_the_local_cluster(monkeypatch):
     monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.setattr(hubcli.Path, "exists", lambda self: False if str(self) == "/etc/slurm/slurm.conf"
                         else True)
-    monkeypatch.setattr("scalelab.cluster.LocalCluster", FakeCluster)
+    monkeypatch.setattr("scalelab.cluster.local.LocalCluster", FakeCluster)
     over, cluster = hubcli.slurm_overrides(load_settings(overrides={"mode": "slurm"}))
     assert isinstance(cluster, FakeCluster) and FakeCluster.started == 1
     assert over == {"slurm": {"conf": "/state/slurm.conf", "server_ip": "127.0.0.1", "node_address": "127.0.0.1"}}
 
 
 def test_slurm_uses_the_configured_or_exported_cluster(monkeypatch):
-    monkeypatch.setattr("scalelab.cluster.LocalCluster", None)  # must not be touched
+    monkeypatch.setattr("scalelab.cluster.local.LocalCluster", None)  # must not be touched
     cfg = load_settings(overrides={"mode": "slurm", "slurm": {"conf": "/site/slurm.conf"}})
     assert hubcli.slurm_overrides(cfg) == ({}, None)
     monkeypatch.setenv("SLURM_CONF", "/exported/slurm.conf")

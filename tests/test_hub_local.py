@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from scalelab.hub.testing import HubRunner
+from scalelab.testing.hub import HubRunner
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from scalelab.hub.testing import HubRunner, class_reservation_and_queue, slurm_settings
+from scalelab.testing.hub import HubRunner, class_reservation_and_queue, slurm_settings
 
 pytestmark = [pytest.mark.slurm, pytest.mark.hub, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from scalelab.hub.testing import HubRunner, class_reservation_and_queue, slurm_settings
+from scalelab.testing.hub import HubRunner, class_reservation_and_queue, slurm_settings
 
 pytestmark = [pytest.mark.slurm, pytest.mark.hub, pytest.mark.slow]
 

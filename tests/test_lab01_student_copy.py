@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from labtests import BEGIN, END, ROOT, student_source
+from scalelab.course.release import ReleaseError
 
 LABS = sorted(p for p in (ROOT / "labs").glob("0[1-4]_*") if (p / "lab.ipynb").exists())
 
@@ -24,7 +26,7 @@ def test_student_source_replaces_blocks_and_keeps_setup_code():
     assert student_source(src) == "x = 1\n# YOUR CODE HERE\nraise NotImplementedError(\"exercise\")\nrecord('y', y)\n"
     indented = "def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n"
     assert student_source(indented) == "def f():\n    # YOUR CODE HERE\n    raise NotImplementedError(\"exercise\")\n"
-    with pytest.raises(AssertionError):
+    with pytest.raises(ReleaseError, match="never closed"):
         student_source("# BEGIN SOLUTION\nx = 1\n")
 
 

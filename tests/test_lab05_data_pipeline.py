@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scalelab.grade.execute import execute_notebook
+from scalelab.course.execute import execute_notebook
 
 from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
                       student_copy)

@@ -10,7 +10,7 @@ import torch
 
 from scalelab.dist import RankInfo
 from scalelab.launch import launch
-from scalelab.spec import preset
+from scalelab.run.spec import preset
 from scalelab.train import strategies
 from scalelab.train.strategies import resolve_wait
 

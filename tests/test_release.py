@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from scalelab.cli import main
-from scalelab.grade.release import (PLACEHOLDER, ReleaseError, release_lab, release_labs, resolve_lab,
-                                    strip_solutions, student_notebook)
+from scalelab.course.release import (PLACEHOLDER, ReleaseError, release_lab, release_labs, resolve_lab,
+                                     strip_solutions, student_notebook)
 
 FIXTURE_LAB = Path(__file__).parent / "fixtures" / "grading" / "labs" / "90_fixture"
 
@@ -130,7 +130,7 @@ def test_cli_release_defaults_to_build_student_labs(monkeypatch, capsys):
     def fake(names, labs_root, out_root):
         seen.update(names=names, labs_root=labs_root, out_root=out_root)
         return []
-    monkeypatch.setattr("scalelab.grade.release.release_labs", fake)
+    monkeypatch.setattr("scalelab.course.release.release_labs", fake)
     assert main(["labs", "release", "01_x"]) == 0
     assert seen["names"] == ["01_x"]
     assert Path(seen["out_root"]).parts[-3:] == ("build", "student", "labs")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from scalelab.events import EventWriter
-from scalelab.grade.execute import execute_notebook
-from scalelab.grade.lab import GradingError
+from scalelab.run.events import EventWriter
+from scalelab.course.execute import execute_notebook
+from scalelab.course.lab import GradingError
 from scalelab.grade.selfcheck import self_check
 from scalelab.record import clear_recorded, record, recorded
 from scalelab.widgets import SelfCheck

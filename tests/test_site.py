@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from scalelab import site_build as sb
-from scalelab.grade.execute import NotebookCellError, NotebookResult
-from scalelab.grade.lab import load_lab
+from scalelab.course import site as sb
+from scalelab.course.execute import NotebookCellError, NotebookResult
+from scalelab.course.lab import load_lab
 
 FIXTURE_LABS = Path(__file__).parent / "fixtures" / "site" / "labs"
 FIXTURE = FIXTURE_LABS / "01_fixture"
@@ -73,7 +73,7 @@ def fake_execute(monkeypatch):
             return NotebookResult(str(path), str(output_path), "cell_error", {}, 0.1, err)
         return NotebookResult(str(path), str(output_path), "ok", {}, 0.1, None)
 
-    monkeypatch.setattr("scalelab.grade.execute.execute_notebook", fake)
+    monkeypatch.setattr("scalelab.course.execute.execute_notebook", fake)
     fake.calls, fake.failing = calls, failing
     return fake
 

@@ -17,8 +17,8 @@ from urllib.parse import urldefrag, urlparse
 
 import pytest
 
-from scalelab import site_build as sb
-from scalelab.grade.release import BEGIN, END
+from scalelab.course import site as sb
+from scalelab.course.solutions import solution_blocks
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -171,17 +171,9 @@ def _solution_blocks(notebook: Path) -> list[str]:
     """The code between each BEGIN/END SOLUTION pair of an executed notebook, each line stripped."""
     blocks = []
     for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        inside = None
-        for line in "".join(cell["source"]).splitlines():
-            if BEGIN.match(line):
-                inside = []
-            elif END.match(line) and inside is not None:
-                text = "\n".join(inside).strip()
+        if cell["cell_type"] == "code":
+            for block in solution_blocks("".join(cell["source"])):
+                text = "\n".join(line.strip() for line in block.splitlines()).strip()
                 if text:
                     blocks.append(text)
-                inside = None
-            elif inside is not None:
-                inside.append(line.strip())
     return blocks

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from scalelab import spec as S
+from scalelab.run import spec as S
 from scalelab.errors import SpecError
-from scalelab.validate import RULES
+from scalelab.run.validate import RULES
 
 
 def test_json_and_yaml_round_trip_give_the_same_spec(tmp_path):

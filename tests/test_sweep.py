@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from scalelab.errors import SpecError
-from scalelab.spec import preset
-from scalelab.sweep import SweepStopped, format_table, run_sweep, scaling_table, spec_key, sweep_specs, time_breakdown
+from scalelab.run.spec import preset
+from scalelab.experiments.sweep import (SweepStopped, format_table, run_sweep, scaling_table, spec_key, sweep_specs,
+                                        time_breakdown)
 from scalelab.widgets import ScalingExplorer
 
 FAST = {"data.samples": 256, "world.threads_per_worker": 1, "steps": 6}

@@ -12,7 +12,6 @@ _WIDGETS = {
     "ScalingExplorer": "scaling_explorer",
     "PipelineView": "pipeline_view",
     "CheckpointTimeline": "checkpoint_timeline",
-    "ClusterStatus": "cluster_status",
     "SelfCheck": "self_check",
 }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import ipywidgets as w
 from matplotlib.figure import Figure
 
-from scalelab.ckpt.timeline import timeline
+from scalelab.experiments.ckpt_timeline import timeline
 
 COLORS = {"steps": "#bbbbbb", "blocks": "#c44e52", "flushes": "#4c72b0"}
 

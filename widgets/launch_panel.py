@@ -19,7 +19,8 @@ from pathlib import Path
 import ipywidgets as W
 
 from scalelab.errors import RunFailed, RunTimeout, SpecError
-from scalelab.spec import LAUNCHERS, PRECISIONS, PRESETS, STRATEGIES, preset as make_preset
+from scalelab.run.validate import LAUNCHERS, PRECISIONS, STRATEGIES
+from scalelab.run.spec import PRESETS, preset as make_preset
 
 from ._plots import png_bytes, run_figure, run_series
 

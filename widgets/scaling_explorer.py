@@ -5,7 +5,7 @@
     ex.mode.value = "strong"
     rows = ex.run()                  # what the Run button calls (in a thread); a cell calls it directly
 
-The logic is `scalelab.sweep` (specs, sequential runs, table); this class wires it to widgets. Runs measured by an
+The logic is `scalelab.experiments.sweep` (specs, sequential runs, table); this class wires it to widgets. Runs measured by an
 earlier sweep of the same explorer are reused (the 1-worker run of a weak and a strong sweep, for instance).
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 import ipywidgets as W
 
 from scalelab.errors import SpecError
-from scalelab.spec import LAUNCHERS, PRESETS, STRATEGIES, preset as make_preset
-from scalelab.sweep import MODES, SweepStopped, format_table, run_sweep, scaling_table, sweep_specs
+from scalelab.run.validate import LAUNCHERS, STRATEGIES
+from scalelab.run.spec import PRESETS, preset as make_preset
+from scalelab.experiments.sweep import MODES, SweepStopped, format_table, run_sweep, scaling_table, sweep_specs
 
 from ._plots import png_bytes, scaling_figure
 

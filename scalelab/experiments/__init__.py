@@ -1,4 +1,4 @@
-"""Worker code for lab experiments that are not a plain RunSpec training run.
+"""The code behind each lab's measurements: experiments that are not a plain RunSpec training run.
 
 Each module serves one lab and builds its models, data and optimizers with the engine's own builders
 (`scalelab.train`, `scalelab.data`), so a measurement here is a measurement of what `launch()` trains:
@@ -11,4 +11,11 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `horovod_port`   (lab 03) a training function ported to Horovod by the student, and Horovod's timeline.
 - `large_batch`    (lab 04) learning-rate scaling and warm-up, large batches with LARS/LAMB, and the gradient
                    noise scale — in the calling process (the arithmetic of data parallelism on one rank).
+- `sweep`          (lab 04) weak/strong/batch scaling sweeps: RunSpecs run one after another, speedup and
+                   efficiency tables (the ScalingExplorer widget's core).
+- `data_pipeline`, `straggler`   (lab 05) file layouts, prefetch, caches, order-aware loading; one slow reader.
+- `checkpointing`, `ckpt_timeline`   (lab 06) checkpoint anatomy, sync/async/sharded stalls on a run's clock.
+- `plots`          the labs' figures (matplotlib object API, PNG).
+
+Lab-only measurement code lives here and nowhere else: `scalelab.data` and `scalelab.ckpt` are the engine's.
 """

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data import build_dataset, build_loader
-from ..spec import from_dict
+from ..run.spec import from_dict
 from ._common import build_workload
 
 
@@ -66,7 +66,7 @@ def compare_with_ddp(average: str, spec: dict, steps: int = 3) -> dict:
     Returns the largest gradient difference seen after any step's averaging, the final parameter difference,
     and how far this rank's hand-averaged copy is from rank 0's.
     """
-    from ..launch.spmd import resolve
+    from ..launch.spmd_rank import resolve
     spec = _spec(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
     average_gradients = resolve(average)

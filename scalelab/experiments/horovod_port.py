@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import build_dataset, build_loader
-from ..spec import from_dict
+from ..run.spec import from_dict
 from ._common import build_workload
 
 
@@ -29,7 +29,7 @@ def _shard_batches(spec, dataset, rank: int, world: int, steps: int):
 def train_ported(port: str, spec: dict, steps: int = 3) -> dict:
     """Train `steps` steps with the optimizer `port` ("module:function") returns; compare with the reference."""
     import horovod.torch as hvd
-    from ..launch.spmd import resolve
+    from ..launch.spmd_rank import resolve
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     spec = from_dict(spec).validate()

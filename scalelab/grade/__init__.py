@@ -1,6 +1,7 @@
-"""Grading: execute notebooks with papermill (`execute`), check their records (`checks`), grade submissions
-in a sandbox (`grader`, `sandbox`), write reports (`report`), release student copies (`release`), self-check
-(`selfcheck`).
+"""Grading: check a notebook's records (`checks`, `evidence`), grade submissions confined (`grader`, `job`; the
+grader's side of the sandbox in `sandbox`, the confined run's in `runner` and `confine`), write reports
+(`report`), self-check (`selfcheck`). Executing notebooks and releasing student copies are the course's
+(`scalelab.course.execute`, `scalelab.course.release`); their names are re-exported here for older callers.
 
 Importing this package is cheap: papermill, nbformat and psutil are imported only when a notebook runs, and the
 grading modules only when one of their names is used.
@@ -9,23 +10,16 @@ from __future__ import annotations
 
 import importlib
 
-from .execute import (
-    NotebookCellError,
-    NotebookCellTimeout,
-    NotebookDeadKernel,
-    NotebookError,
-    NotebookMalformed,
-    NotebookParameterError,
-    NotebookResult,
-    NotebookTimeout,
-    execute_notebook,
-)
+from ..course.execute import (NotebookCellError, NotebookCellTimeout, NotebookDeadKernel, NotebookError,
+                              NotebookMalformed, NotebookParameterError, NotebookResult, NotebookTimeout,
+                              execute_notebook)
 
 _LAZY = {
     "grade": "grader", "GradeOptions": "grader", "Submission": "grader", "SubmissionResult": "grader",
     "BatchResult": "grader", "collect_submissions": "grader",
-    "GradingError": "lab", "Lab": "lab", "load_lab": "lab",
-    "release_lab": "release", "release_labs": "release", "ReleaseError": "release", "ReleaseReport": "release",
+    "GradingError": "..course.lab", "Lab": "..course.lab", "load_lab": "..course.lab",
+    "release_lab": "..course.release", "release_labs": "..course.release", "ReleaseError": "..course.release",
+    "ReleaseReport": "..course.release",
     "self_check": "selfcheck", "SelfCheckReport": "selfcheck",
     "SandboxPolicy": "sandbox", "SandboxError": "sandbox",
 }
@@ -33,7 +27,8 @@ _LAZY = {
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = _LAZY[name]
+        return getattr(importlib.import_module(module if module.startswith(".") else f".{module}", __name__), name)
     raise AttributeError(f"module 'scalelab.grade' has no attribute {name!r}")
 
 

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..metrics import summarize
+from ..run.metrics import summarize
 from .untrusted import UntrustedFileError, read_beneath
 
 PREFIX = "grader."

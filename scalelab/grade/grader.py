@@ -36,7 +36,7 @@ from typing import Any, Callable
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .evidence import RUNS, run_evidence, strip_grader_records
 from .job import copy_submission, hidden_paths, job_base, run_job, runs_need, working_copy
-from .lab import NOTEBOOK, GradingError, Lab, load_lab
+from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
 from .sandbox import SandboxPlan, SandboxPolicy, cleanup, plan_sandbox
 from .untrusted import (MAX_OUTPUT_CHARS, UntrustedFileError, cap_notebook, cap_text, load_json_beneath,
                         tolerant_records)

@@ -17,8 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
-from .release import DEFAULT_LABS, repo_root, student_file
+from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
+from ..course.release import student_file
+from ..paths import checkout_root, labs_dir
 from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
@@ -160,9 +161,9 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
     needed = [Path(p) for p in (needed if needed is not None else needed_paths())]
     cands = {lab.path, out, *[Path(p).resolve() for p in extra]}
     cands.update(find_labs(lab.path.parent))
-    cands.update(find_labs(DEFAULT_LABS))
+    cands.update(find_labs(labs_dir()))
     # The checkouts: the lab's, the grader's and the runs' (of their package folders, not of the interpreter's).
-    roots = {git_root(lab.path), repo_root(), *(checkout_of(p) for p in needed if (p / "__init__.py").exists())}
+    roots = {git_root(lab.path), checkout_root(), *(checkout_of(p) for p in needed if (p / "__init__.py").exists())}
     checkouts = {r for r in roots if r is not None and ((r / ".git").exists() or (r / "pyproject.toml").exists())
                  and not any(k == r or k in r.parents for k in needed)}
     for root in checkouts:

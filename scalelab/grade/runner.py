@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from .execute import NotebookError, NotebookParameterError, NotebookResult, execute_notebook
-from .sandbox import SandboxError, SandboxPlan, apply_sandbox
+from ..course.execute import NotebookError, NotebookParameterError, NotebookResult, execute_notebook
+from ..run.procs import kill_processes
+from .sandbox import SandboxError, SandboxPlan
+from .confine import apply_sandbox
 
 MAX_TRACEBACK_CHARS = 8000
 
@@ -97,13 +99,7 @@ def describe(result: NotebookResult) -> dict:
 def _reap_descendants() -> None:
     # We are a subreaper: whatever the run left behind (a daemon it double-forked) is our descendant by now.
     import psutil
-    procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
+    kill_processes(psutil.Process().children(recursive=True), grace_s=0, tree=False)
 
 
 def _write(job: dict, outcome: dict) -> None:

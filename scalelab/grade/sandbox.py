@@ -1,8 +1,8 @@
 """Confine one submission's run: a throwaway user, no network, hidden paths, memory and process limits.
 
-The grader (parent) works out a `SandboxPlan` from a `SandboxPolicy` with `plan_sandbox()`: what this machine
-allows, with a note for everything it does not. The sandboxed process (`scalelab.grade.runner`) calls
-`apply_sandbox(plan)` on itself *before* any student code exists in it; everything it starts afterwards — the
+The grader (parent, this module) works out a `SandboxPlan` from a `SandboxPolicy` with `plan_sandbox()`: what
+this machine allows, with a note for everything it does not, and `cleanup()` ends what a run left. The sandboxed
+process (`scalelab.grade.runner`) calls `scalelab.grade.confine.apply_sandbox(plan)` on itself *before* any student code exists in it; everything it starts afterwards — the
 papermill child, the kernel, whatever the kernel starts — inherits the confinement.
 
 As root (the intended way to run a batch):
@@ -29,15 +29,10 @@ student's code runs as the grader's own user, so hiding and process separation a
 """
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
 import random
-import resource
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -45,12 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ScalelabError
+from ..run.procs import kill_processes
 
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
 PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -142,15 +133,15 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
                        max_processes=policy.max_processes, max_file_bytes=policy.max_file_mb * 2**20)
     needed = [bind_target(p) for p in (policy.needed or needed_paths())]
     covers = sorted({os.path.realpath(c) for c in policy.cover if os.path.isdir(c)})
-    plan.cover = [c for c in covers if any(_inside(p, c) for p in needed)]
+    plan.cover = [c for c in covers if any(inside(p, c) for p in needed)]
     plan.hide = sorted(set(plan.hide) | {c for c in covers if c not in plan.cover and
-                                         not any(p == c or _inside(c, p) for p in needed)})
+                                         not any(p == c or inside(c, p) for p in needed)})
     if policy.private_tmp:
         plan.private = [t for t in PRIVATE_TMP if os.path.isdir(t) and not os.path.islink(t)
-                        and not any(p == t or _inside(t, p) for p in needed)]
+                        and not any(p == t or inside(t, p) for p in needed)]
         plan.writable = [bind_target(policy.workdir)] if policy.workdir and any(
-            _inside(bind_target(policy.workdir), t) for t in plan.private) else []
-    plan.expose = [p for p in needed if any(_inside(p, c) for c in plan.cover + plan.private)]
+            inside(bind_target(policy.workdir), t) for t in plan.private) else []
+    plan.expose = [p for p in needed if any(inside(p, c) for c in plan.cover + plan.private)]
     if root and policy.own_user:
         plan.uid = plan.gid = uid if uid is not None else free_uid()
         for p in needed:
@@ -206,7 +197,7 @@ def needed_paths() -> list[str]:
     paths = {bind_target(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable), *packages)}
     paths |= {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable)))}
     # Keep the outermost only: binding a folder brings its subfolders along.
-    return sorted(p for p in paths if not any(_inside(p, q) for q in paths))
+    return sorted(p for p in paths if not any(inside(p, q) for q in paths))
 
 
 def runner_needed_paths(env: dict, cwd: str | Path, timeout: float = 120.0) -> list[str]:
@@ -235,30 +226,9 @@ def bind_target(path: str | os.PathLike) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
-def _inside(path: str, folder: str) -> bool:
+def inside(path: str, folder: str) -> bool:
     """Whether `path` lies strictly inside `folder` (by name)."""
     return path != folder and path.startswith(folder.rstrip("/") + "/")
-
-
-def confinement_leaks(plan: SandboxPlan) -> list[str]:
-    """Hidden or covered paths this process can still read (what `apply_sandbox` checks last; [] when confined)."""
-    leaks = []
-    for p in plan.hide:
-        try:
-            if os.path.isdir(p) and os.listdir(p):
-                leaks.append(p)
-            elif os.path.isfile(p) and os.path.getsize(p) > 0:
-                leaks.append(p)
-        except OSError:
-            pass  # cannot be read: hidden enough
-    for c in plan.cover + plan.private:
-        allowed = {Path(p).relative_to(c).parts[0] for p in plan.expose + plan.writable if _inside(p, c)}
-        try:
-            extra = sorted(set(os.listdir(c)) - allowed)
-        except OSError:
-            continue
-        leaks += [os.path.join(c, name) for name in extra]
-    return leaks
 
 
 def blocking_ancestor(path: str) -> str | None:
@@ -336,125 +306,6 @@ def _make_cgroup(base: str, plan: SandboxPlan) -> str:
     return str(path)
 
 
-# -- applying (in the sandboxed process, before any student code) ------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _call(name: str, *args) -> None:
-    if getattr(_libc, name)(*args) != 0:
-        e = ctypes.get_errno()
-        raise SandboxError(f"{name}{args!r} failed: {os.strerror(e)} (errno {e})")
-
-
-def apply_sandbox(plan: SandboxPlan) -> None:
-    """Confine this process (and all it will start) as `plan` says; raises SandboxError if a step fails."""
-    _call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the run come back to us, not to init
-    if plan.cgroup:
-        Path(plan.cgroup, "cgroup.procs").write_text(str(os.getpid()))
-    mounts = bool(plan.hide or plan.cover or plan.expose or plan.private)
-    flags = (CLONE_NEWNET if plan.netns in ("root", "user") else 0) | (CLONE_NEWNS if mounts else 0)
-    uid, gid = os.getuid(), os.getgid()
-    if plan.userns or plan.netns == "user":
-        flags |= CLONE_NEWUSER
-    if flags:
-        _call("unshare", flags)
-    if flags & CLONE_NEWUSER:
-        _map_ids(uid, gid)
-    if flags & CLONE_NEWNS:
-        _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
-        _expose(plan.expose, plan.cover, blocking=plan.uid is not None, private=plan.private,
-                writable=plan.writable)
-        _hide(plan.hide)
-    if flags & CLONE_NEWNET:
-        loopback_up()
-    _limits(plan)
-    if plan.uid is not None:
-        os.setgroups([])
-        os.setgid(plan.gid)
-        os.setuid(plan.uid)
-    _call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    leaks = confinement_leaks(plan) if mounts else []
-    if leaks:
-        raise SandboxError(f"hidden paths are still visible after confinement: {leaks[:5]}"
-                           f"{' ...' if len(leaks) > 5 else ''}; the submission was not run")
-
-
-def _map_ids(uid: int, gid: int) -> None:
-    # Same ids inside as outside: the run keeps its user and loses the namespace's capabilities at its next exec.
-    Path("/proc/self/setgroups").write_text("deny")
-    Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-    Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
-
-
-def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[str] = (),
-            writable: list[str] = ()) -> None:
-    # Cover each covered checkout and each blocking folder (e.g. /root) with an empty read-only tmpfs, and each
-    # private temporary folder with an empty writable one; then bind back only the needed paths (read-only) and
-    # the run's own folder (read-write) into them: nothing else of those folders is reachable.
-    binds = [(p, True) for p in paths] + [(w, False) for w in writable]
-    tops = {}
-    for p, _ in binds:  # worked out before any tmpfs changes the answer
-        cands = [c for c in [*covers, *private] if _inside(p, c)]
-        if blocking and (closed := blocking_ancestor(p)):
-            cands.append(closed)
-        tops[p] = min(cands, key=len) if cands else None  # all are ancestors of p: the shortest is the outermost
-    fds = {p: os.open(p, os.O_PATH) for p, _ in binds}  # opened before they disappear under the tmpfs
-    covered = set(private)
-    try:
-        for t in private:
-            _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
-        for p, readonly in sorted(binds):
-            top = tops[p]
-            if top is None:
-                continue
-            if top not in covered:
-                _call("mount", b"tmpfs", os.fsencode(top), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=755")
-                covered.add(top)
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            _call("mount", os.fsencode(f"/proc/self/fd/{fds[p]}"), os.fsencode(p), None, MS_BIND | MS_REC, None)
-            if readonly:
-                _call("mount", None, os.fsencode(p), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
-        for top in covered - set(private):
-            _call("mount", None, os.fsencode(top), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _hide(paths: list[str]) -> None:
-    for p in sorted(paths):
-        if not os.path.lexists(p):
-            continue  # inside a folder hidden just before
-        target = os.fsencode(p)
-        if os.path.isdir(p):
-            _call("mount", b"tmpfs", target, b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=555")
-        elif os.path.lexists(p):
-            _call("mount", b"/dev/null", target, None, MS_BIND, None)
-            _call("mount", None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
-
-
-def loopback_up() -> None:
-    """Bring `lo` up in this (new) network namespace; nothing else exists there."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        import fcntl
-        req = struct.pack("16sh", b"lo", 0)
-        flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
-        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
-
-
-def _limits(plan: SandboxPlan) -> None:
-    def cap(which, value):
-        resource.setrlimit(which, (value, value))
-    cap(resource.RLIMIT_CORE, 0)
-    if plan.memory_via == "rlimit" and plan.memory_bytes:
-        cap(resource.RLIMIT_AS, plan.memory_bytes)
-    if plan.max_file_bytes:
-        cap(resource.RLIMIT_FSIZE, plan.max_file_bytes)
-    if plan.max_processes and plan.uid is not None:  # per uid: only meaningful for a throwaway uid
-        cap(resource.RLIMIT_NPROC, plan.max_processes)
-
-
 # -- after the run (in the grader) -------------------------------------------------------------------------------
 
 def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
@@ -473,13 +324,7 @@ def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
         if runner is not None:
             for p in [runner, *_children(runner)]:
                 victims.setdefault(p.pid, p)
-    procs = [p for p in victims.values() if p is not None and p.pid != os.getpid()]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
+    killed = kill_processes([p for p in victims.values() if p is not None], grace_s=0, tree=False)
     if plan.cgroup:
         for _ in range(50):  # the kernel frees a cgroup a moment after its last process exits
             try:
@@ -489,7 +334,7 @@ def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
                 break
             except OSError:
                 time.sleep(0.1)
-    return len(procs)
+    return killed
 
 
 def _proc(pid):
@@ -525,7 +370,7 @@ def verify_network_isolation(mode: str) -> dict:
         server.listen(1)
         port = server.getsockname()[1]
         plan = SandboxPlan(netns=mode)
-        code = "import sys; from scalelab.grade.sandbox import _probe_main; _probe_main(sys.argv[1], int(sys.argv[2]))"
+        code = "import sys; from scalelab.grade.confine import probe_main; probe_main(sys.argv[1], int(sys.argv[2]))"
         try:
             proc = subprocess.run([sys.executable, "-c", code, json.dumps(plan.to_dict()), str(port)],
                                   capture_output=True, text=True, timeout=60)
@@ -543,19 +388,6 @@ def verify_network_isolation(mode: str) -> dict:
     return result
 
 
-def _probe_main(plan_json: str, port: int) -> None:
-    """Child side of `verify_network_isolation`: confine, then try the host's port."""
-    apply_sandbox(SandboxPlan.from_dict(json.loads(plan_json)))
-    with socket.socket() as s:
-        s.settimeout(3)
-        try:
-            s.connect(("127.0.0.1", port))
-            print("connected")
-        except OSError as e:
-            print("blocked" if e.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, None)
-                  or isinstance(e, socket.timeout) else f"error {e}")
-
-
-__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "apply_sandbox", "cleanup", "gpu_devices",
-           "verify_network_isolation", "free_uid", "cgroup2_base", "loopback_up", "confinement_leaks",
-           "needed_paths", "runner_needed_paths", "bind_target"]
+__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "cleanup", "gpu_devices",
+           "verify_network_isolation", "free_uid", "cgroup2_base", "needed_paths", "runner_needed_paths", "bind_target",
+           "blocking_ancestor", "inside"]

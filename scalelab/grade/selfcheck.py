@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from ..record import recorded
 from .checks import CheckResult, lab_checks, run_checks
 from .evidence import run_evidence, strip_grader_records
-from .lab import CHECKS, GradingError
+from ..course.lab import CHECKS, GradingError
 
 
 @dataclass

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from ..errors import UntrustedFileError
 from ..record import MIME, decode_value
 
 MAX_NOTEBOOK_BYTES = 64 * 2**20
@@ -20,10 +21,6 @@ MAX_OUTPUT_CHARS = 20_000
 """Per output (stream text, text/plain, a traceback) in the stored notebook and in feedback."""
 MAX_RECORD_PAYLOAD_CHARS = 200_000
 TRUNCATED = "\n[... {n} characters cut by the grader ...]\n"
-
-
-class UntrustedFileError(OSError):
-    """A file of the run could not be read safely: missing, a link, not a regular file, or too large."""
 
 
 def read_beneath(base: str | Path, relpath: str | Path, max_bytes: int) -> bytes:

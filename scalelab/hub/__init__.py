@@ -9,7 +9,9 @@
 - `singleuser` the job-side wrapper that reports the port and starts JupyterLab
 - `provision`  handing the labs out without overwriting a student's work
 - `kernels`    the course kernel specs in kernels/
-- `auth`, `culler`, `cli`, `testing`   passwords, the idle culler service, `scalelab hub`, a hub for tests
+- `auth`, `culler`   passwords, the idle culler service
+
+`scalelab hub` itself is `scalelab.cli.hub`; a real hub for tests is `scalelab.testing.hub`.
 
 Nothing here is imported by the core library.
 """

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import jinja2
 
 from .options import JobRequest
-from .settings import hub_config_dir
+from ..paths import hub_config_dir
 
 #: What a one-line value in the script may contain, per variable (anything else is refused).
 _SAFE = {

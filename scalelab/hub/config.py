@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
+from ..paths import find_tool
 from .options import profiles_from_settings
 from .provision import resolve_source
 
@@ -33,7 +33,7 @@ def find_proxy(cfg: Mapping) -> str | None:
     candidate = Path(python_bin(cfg)) / "configurable-http-proxy"
     if candidate.exists():
         return str(candidate)
-    return shutil.which("configurable-http-proxy")
+    return find_tool("configurable-http-proxy")
 
 
 def update_hub(c, cfg: Mapping) -> None:

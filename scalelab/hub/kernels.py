@@ -13,14 +13,10 @@ import tempfile
 from pathlib import Path
 
 from ..errors import SetupError
+from ..paths import kernels_dir
 
 PRESETS = ("local", "cluster")
 _NOT_INSTALLED = {"presets.json"}
-
-
-def kernels_dir() -> Path:
-    """The repository's `kernels/` folder."""
-    return Path(__file__).resolve().parents[2] / "kernels"
 
 
 def kernel_spec(name: str, preset: str = "local", python: str | None = None, source: Path | None = None) -> dict:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from ..paths import student_labs_dir
+
 MANIFEST = Path(".scalelab") / "labs-manifest.json"
 DEFAULT_EXCLUDE = ("__pycache__", ".ipynb_checkpoints", "*.pyc", ".*", "hidden_*", "*_hidden.py", "solutions")
 
@@ -48,17 +50,11 @@ class ProvisionReport:
     """Not written because a symbolic link was in the way."""
 
 
-def repo_root() -> Path:
-    """The repository checkout this package runs from."""
-    return Path(__file__).resolve().parents[2]
-
-
 def source_candidates(root: Path | None = None) -> list[Path]:
     """Where `labs.source: auto` looks: only the student copies `scalelab labs release` writes (hidden checks and
     solutions removed). The repository's labs/ holds the reference solutions, so 'auto' never hands it out;
     `scalelab hub` releases the labs into build/student/labs before it starts."""
-    root = root or repo_root()
-    return [root / "build" / "student" / "labs"]
+    return [root / "build" / "student" / "labs"] if root else [student_labs_dir()]
 
 
 def resolve_source(source: str, root: Path | None = None) -> Path | None:

@@ -18,6 +18,7 @@ from typing import Mapping
 import yaml
 
 from ..errors import ScalelabError
+from ..paths import hub_config_dir
 
 #: Environment variables `scalelab hub` uses to hand the settings to `jupyterhub_config.py`.
 ENV_SETTINGS = "SCALELAB_HUB_SETTINGS"
@@ -30,11 +31,6 @@ PATH_KEYS = (("hub", "state_dir"), ("hub", "config_d"), ("labs", "source"), ("sl
 
 class SettingsError(ScalelabError, ValueError):
     """The course settings are wrong; the message names each bad setting and how to fix it."""
-
-
-def hub_config_dir() -> Path:
-    """The repository's `hub_config/` folder (defaults, schema, templates, the example course file)."""
-    return Path(__file__).resolve().parents[2] / "hub_config"
 
 
 def default_settings_path() -> Path:

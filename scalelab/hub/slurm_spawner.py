@@ -27,25 +27,14 @@ from batchspawner import JobStatus, SlurmSpawner
 from tornado import web
 from traitlets import Dict, Float, List, Unicode, default
 
+from ..cluster.slurm import job_phase
+from ..errors import SpawnFailed
 from .api import install_port_handler
 from .batch import default_template_path, render_batch_script
 from .course_spawner import CourseSpawner
 from .options import OptionError, options_form_html, options_from_form, profiles_from_settings, resolve_options
 
 install_port_handler()
-
-_RUNNING = {"RUNNING"}
-_PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
-_HELD = {"SUSPENDED", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT"}  # still there: neither started nor gone
-# Everything else (COMPLETING, COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...) has ended.
-
-
-class SpawnFailed(RuntimeError):
-    """A spawn failed for a reason the student should read (shown by JupyterHub as the failure message)."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.jupyterhub_message = message
 
 
 class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
@@ -245,24 +234,20 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
             self.log.warning("squeue failed for job %s (exit %s): %s; keeping the server", self.job_id, rc, err)
             return JobStatus.UNKNOWN
         self.job_status = out.splitlines()[-1] if out else "GONE||"
-        state = self.job_status.split("|")[0]
-        if state in _RUNNING:
-            return JobStatus.RUNNING
-        if state in _PENDING:
-            return JobStatus.PENDING
-        if state in _HELD:
-            return JobStatus.UNKNOWN
-        return JobStatus.NOTFOUND
+        # A COMPLETING job's server is on its way out: for the hub it has ended, like every state past it.
+        phase = job_phase(self.job_status.split("|")[0])
+        return {"running": JobStatus.RUNNING, "pending": JobStatus.PENDING, "held": JobStatus.UNKNOWN}.get(
+            phase, JobStatus.NOTFOUND)
 
     def _field(self, i: int) -> str:
         parts = (self.job_status or "").split("|")
         return parts[i] if len(parts) > i else ""
 
     def state_ispending(self):
-        return self._field(0) in _PENDING
+        return job_phase(self._field(0)) == "pending"
 
     def state_isrunning(self):
-        return self._field(0) in _RUNNING
+        return job_phase(self._field(0)) == "running"
 
     def state_gethost(self):
         host = self._field(1)

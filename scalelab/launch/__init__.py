@@ -1,7 +1,7 @@
 """Launchers: turn a RunSpec into processes or a batch job and hand back a `Run`.
 
 One module per launcher (local, torchrun, horovodrun, mpirun, slurm); all start the same worker,
-`python -m scalelab.worker --spec <run dir>/spec.json`, and all are observed the same way.
+`python -m scalelab.train.worker --spec <run dir>/spec.json`, and all are observed the same way.
 """
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -13,8 +12,9 @@ import psutil
 from ..dist import threads_per_rank
 
 from ..errors import LaunchError
-from ..events import EventReader
-from ..run import Run, describe_exit, kill_processes
+from ..run.events import EventReader
+from ..run.handle import Run
+from ..run.procs import describe_exit, kill_processes
 
 
 def prepare_run_dir(spec):
@@ -33,22 +33,13 @@ def prepare_run_dir(spec):
 
 def worker_command(run_dir: Path, python: str | None = None) -> list[str]:
     """The command every launcher runs once per rank."""
-    return [python or sys.executable, "-m", "scalelab.worker", "--spec", str(run_dir / "spec.json"),
+    return [python or sys.executable, "-m", "scalelab.train.worker", "--spec", str(run_dir / "spec.json"),
             "--log-dir", str(run_dir / "logs")]
 
 
 def threads_for(spec) -> int:
     """Intra-op threads per rank: the spec's, or this node's CPUs shared among its ranks."""
     return threads_per_rank(spec, spec.world.workers_per_node)
-
-
-def find_tool(name: str, fix: str) -> str:
-    """Absolute path of a launcher command, looked up next to this Python first (the venv's bin)."""
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.exists() else shutil.which(name)
-    if not found:
-        raise LaunchError(f"{name} not found (looked in {beside.parent} and PATH); {fix}")
-    return found
 
 
 class ProcessRun(Run):

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import re
 
-from ..run import scrub_env
-from .base import ProcessRun, find_tool, prepare_run_dir, start_process, threads_for, worker_command
+from ..run.procs import scrub_env
+from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
+from ..errors import LaunchError
+from ..paths import require_tool
 
 # horovodrun's gloo driver: "Process 1 exit with status code 1."
 _FAILED_RANK = re.compile(r"Process (\d+) exit with status code")
@@ -21,9 +23,9 @@ class HorovodrunRun(ProcessRun):
 
 
 def horovodrun_command(spec, run_dir) -> list[str]:
-    """`horovodrun -np N -H localhost:N --gloo python -m scalelab.worker ...`."""
+    """`horovodrun -np N -H localhost:N --gloo python -m scalelab.train.worker ...`."""
     n = spec.world.workers_per_node
-    exe = find_tool("horovodrun", "build Horovod with `bash tools/ensure_horovod.sh` (or `make test`)")
+    exe = require_tool("horovodrun", LaunchError)
     return [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interfaces", "lo",
             *worker_command(run_dir)]
 

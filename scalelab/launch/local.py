@@ -2,7 +2,7 @@
 gives its workers: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), one log per rank and exact exit codes."""
 from __future__ import annotations
 
-from ..run import free_port, scrub_env
+from ..run.procs import free_port, scrub_env
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
 
 

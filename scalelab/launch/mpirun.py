@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 import re
 
-from ..run import free_port, scrub_env
-from .base import ProcessRun, find_tool, prepare_run_dir, start_process, threads_for, worker_command
+from ..run.procs import free_port, scrub_env
+from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
+from ..errors import LaunchError
+from ..paths import require_tool
 
 # Open MPI: "mpirun noticed that process rank 1 with PID 123 on node x exited on signal 9 (Killed)."
 #           "Primary job  terminated normally, but 1 process returned a non-zero exit code ... rank 1"
@@ -23,8 +25,8 @@ class MpirunRun(ProcessRun):
 
 
 def mpirun_command(spec, run_dir, port: int, hostfile: str | None = None) -> list[str]:
-    """`mpirun -np N ... python -m scalelab.worker ...`, root-safe and without core binding (ranks share cores)."""
-    exe = find_tool("mpirun", "install Open MPI: apt-get install openmpi-bin libopenmpi-dev")
+    """`mpirun -np N ... python -m scalelab.train.worker ...`, root-safe and without core binding (ranks share cores)."""
+    exe = require_tool("mpirun", LaunchError)
     cmd = [exe, "-np", str(spec.world_size), "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include",
            "lo" if spec.world.nodes == 1 else "^lo,docker0",
            # ranks share cores: a rank waiting in MPI (Horovod's controller) must yield, not busy-poll, or it

@@ -9,17 +9,16 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ..cluster.slurm import job_active, job_fields, job_phase, slurm_command, slurm_env
 from ..errors import LaunchError
-from ..run import Run, scrub_env
+from ..run.handle import Run
+from ..run.procs import scrub_env
 from .base import prepare_run_dir, threads_for, worker_command
 
-PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"}
-RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}
 # srun: "srun: error: node1: task 1: Exited with exit code 1" / "srun: error: node1: task 1: Killed"
 _FAILED_TASK = re.compile(r"task (\d+): (Exited with exit code \d+|Killed|Terminated|Segmentation fault)")
 BACKEND_POLL_S = 1.0  # squeue/scontrol at most once a second per run: the scheduler is shared
@@ -58,29 +57,6 @@ def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def slurm_env(base: dict | None = None) -> dict:
-    """The environment for Slurm client commands: SLURM_CONF as set, /etc/slurm, or the local cluster's."""
-    env = dict(os.environ if base is None else base)
-    if env.get("SLURM_CONF") or Path("/etc/slurm/slurm.conf").exists():
-        return env
-    from ..cluster import LocalCluster
-    cluster = LocalCluster()
-    if cluster.conf_path.exists():
-        env.update(cluster.env())
-        return env
-    raise LaunchError("no Slurm cluster configured: set SLURM_CONF to your cluster's slurm.conf, or start the "
-                      "local single-node one with `scalelab cluster up`")
-
-
-def _slurm(cmd: list[str], env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise LaunchError(f"{cmd[0]} not found; install the Slurm client (apt-get install slurm-wlm)") from None
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"`{' '.join(cmd)}` did not answer within {timeout:g} s: is slurmctld up?") from None
-
-
 class SlurmRun(Run):
     """A batch job, observed through squeue/scontrol and its event files."""
 
@@ -94,10 +70,7 @@ class SlurmRun(Run):
 
     def job_info(self) -> dict:
         """`scontrol show job` fields (JobState, Reason, ExitCode, NodeList, ...); {} once Slurm forgot the job."""
-        r = _slurm(["scontrol", "show", "job", "-o", self.job_id], self.env)
-        if r.returncode:
-            return {}
-        return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+        return job_fields(self.job_id, self.env)
 
     def _backend_state(self):
         if time.monotonic() - self._last_check < BACKEND_POLL_S:
@@ -105,9 +78,10 @@ class SlurmRun(Run):
         self._last_check = time.monotonic()
         info = self.job_info()
         state = info.get("JobState", "")
-        if state in PENDING:
+        phase = job_phase(state)
+        if phase in ("pending", "held"):
             self._cached = ("pending", None, None)
-        elif state in RUNNING:
+        elif phase in ("running", "completing"):  # COMPLETING: its ranks' last events may still be on their way
             self._cached = ("running", None, None)
         elif state == "COMPLETED" or (not info and not self._missing_end()):
             self._cached = ("succeeded", None, None)
@@ -135,9 +109,9 @@ class SlurmRun(Run):
         return int(m.group(1)) if m else None
 
     def _cancel(self) -> None:
-        _slurm(["scancel", self.job_id], self.env)
+        slurm_command(["scancel", self.job_id], self.env)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self.job_info().get("JobState", "") in PENDING | RUNNING:
+        while time.monotonic() < deadline and job_active(self.job_info().get("JobState", "")):
             time.sleep(0.5)
 
 
@@ -147,7 +121,7 @@ def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun
     env = slurm_env(scrub_env(env))  # a notebook inside a hub job must not hand its SLURM_JOB_* down
     script = run_dir / "job.sh"
     script.write_text(batch_script(spec, run_dir, python or sys.executable))
-    r = _slurm(["sbatch", "--parsable", "--chdir", str(run_dir), str(script)], env)
+    r = slurm_command(["sbatch", "--parsable", "--chdir", str(run_dir), str(script)], env)
     if r.returncode:
         raise LaunchError(f"sbatch refused the job: {(r.stderr or r.stdout).strip()} (script: {script})")
     job_id = r.stdout.strip().split(";")[0]
@@ -155,4 +129,4 @@ def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun
     return SlurmRun(spec, run_dir, job_id, env, reader)
 
 
-__all__ = ["batch_script", "launch", "SlurmRun", "slurm_env", "threads_for"]
+__all__ = ["batch_script", "launch", "SlurmRun", "threads_for"]

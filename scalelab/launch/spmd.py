@@ -4,7 +4,7 @@ Training runs go through a RunSpec and `launch()`; the labs also need small dist
 not a training run: time an allreduce, compare gradients averaged by hand with DDP's, check that replicas stay
 identical, try a Horovod port. Two ways to run them:
 
-    from scalelab.launch.spmd import SpmdPool, run_spmd
+    from scalelab import SpmdPool, run_spmd            # (they live in scalelab.launch.spmd)
     results = run_spmd("scalelab.experiments.collectives:allreduce_sweep", world=2, kwargs={"sizes": [1024]})
 
     with SpmdPool(world=2) as pool:          # ranks start once, then run job after job
@@ -26,20 +26,19 @@ every rank of the pool and raises `RunFailed` naming it (the next job starts fre
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from ..errors import LaunchError, RunFailed, RunTimeout
-from ..run import describe_exit, free_port, kill_processes, scrub_env
-from .base import find_tool, start_process
+from ..run.procs import describe_exit, free_port, is_peer_failure, kill_processes, scrub_env
+from ..paths import require_tool
+from .base import start_process
 from .local import rank_env
+from .spmd_rank import write_atomic
 
 LAUNCHERS = ("local", "horovodrun", "mpirun")
 INITS = ("gloo", "nccl", "auto", "none")
@@ -119,14 +118,7 @@ class SpmdPool:
         self._kill()
 
     def _kill(self) -> None:
-        import psutil
-        live = []
-        for p in self.procs:
-            try:
-                live.append(psutil.Process(p.pid))
-            except psutil.NoSuchProcess:
-                pass
-        kill_processes(live)
+        kill_processes(self.procs)
         for p in self.procs:
             p.wait()
         self.procs = []
@@ -145,7 +137,7 @@ class SpmdPool:
             self.start()
         i, d = self._jobs, self.dir
         self._jobs += 1
-        _write(d / f"job-{i}.json", {"target": target, "kwargs": kwargs})
+        write_atomic(d / f"job-{i}.json", {"target": target, "kwargs": kwargs})
         deadline = time.monotonic() + timeout + (self.start_timeout if i == 0 else 0)
         try:
             while True:
@@ -179,7 +171,7 @@ def _check_args(world, launcher, init):
 
 
 def _rank_command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "scalelab.launch.spmd", "--pool", str(run_dir)]
+    return [sys.executable, "-m", "scalelab.launch.spmd_rank", "--pool", str(run_dir)]
 
 
 def _start(launcher, world, run_dir, base, threads, extra_vars):
@@ -189,10 +181,10 @@ def _start(launcher, world, run_dir, base, threads, extra_vars):
         return [start_process(cmd, rank_env(base, r, world, port, threads), run_dir / f"launcher-rank-{r}.log")
                 for r in range(world)]
     if launcher == "horovodrun":
-        exe = find_tool("horovodrun", "build Horovod with `bash tools/ensure_horovod.sh` (or `make test`)")
+        exe = require_tool("horovodrun", LaunchError)
         full = [exe, "-np", str(world), "-H", f"localhost:{world}", "--gloo", "--network-interfaces", "lo", *cmd]
     else:
-        exe = find_tool("mpirun", "install Open MPI: apt-get install openmpi-bin libopenmpi-dev")
+        exe = require_tool("mpirun", LaunchError)
         # ranks share cores here: waiting ranks must yield the CPU, not busy-poll (it slows a peer's imports 2-3x)
         full = [exe, "-np", str(world), "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo",
                 "--mca", "mpi_yield_when_idle", "1"]
@@ -204,10 +196,6 @@ def _start(launcher, world, run_dir, base, threads, extra_vars):
     return [start_process(full, base, run_dir / "launcher.log")]
 
 
-# gloo words for "a peer went away" that scalelab.worker.is_peer_failure does not list
-_PEER_WORDS = ("remote worker", "Read error", "Connection reset")
-
-
 def _first_failure(procs, world, run_dir, job, per_rank):
     """(rank, message) of the root cause, or None: a rank's own error first, then a rank that died without
     reporting, and only then errors that ranks saw because a peer had died."""
@@ -217,7 +205,7 @@ def _first_failure(procs, world, run_dir, job, per_rank):
         if path.exists():
             errors.append(json.loads(path.read_text()))  # written atomically
     for e in errors:
-        e["peer_failure"] = e["peer_failure"] or any(w in e["message"] for w in _PEER_WORDS)
+        e["peer_failure"] = e["peer_failure"] or is_peer_failure(e["message"])
     own = [e for e in errors if not e["peer_failure"]]
     if own:
         return _describe_error(min(own, key=lambda e: e["t"]))
@@ -247,139 +235,3 @@ def _describe_exit(i, code, run_dir, per_rank):
     who = f"rank {i}" if per_rank else "the launcher"
     return (i if per_rank else None), f"{who} ended with {describe_exit(code)} before returning; " \
                                       f"last lines of {log}:\n{tail}"
-
-
-# -- the rank side ---------------------------------------------------------------------------------------
-def resolve(target: str):
-    """The function `module:function` names; a module whose file changed since it was imported is reloaded."""
-    module_name, _, name = target.partition(":")
-    module = sys.modules.get(module_name)
-    if module is not None and _changed(module):
-        module = importlib.reload(module)
-    elif module is None:
-        importlib.invalidate_caches()  # a file written after this process started
-        module = importlib.import_module(module_name)
-        module.__scalelab_mtime__ = _mtime(module)
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise LaunchError(f"module {module_name!r} has no function {name!r}") from None
-
-
-def _mtime(module) -> float | None:
-    path = getattr(module, "__file__", None)
-    return os.stat(path).st_mtime_ns if path and os.path.exists(path) else None
-
-
-def _changed(module) -> bool:
-    seen = getattr(module, "__scalelab_mtime__", None)
-    now = _mtime(module)
-    if seen is None or now == seen:
-        module.__scalelab_mtime__ = now
-        return False
-    return True
-
-
-def rank_main(pool_dir: str) -> int:
-    """One rank: join the group, then run job-<i>.json for i = 0, 1, ... until the pool says stop."""
-    from ..dist import rank_info
-    pool_dir = Path(pool_dir)
-    conf = json.loads((pool_dir / "pool.json").read_text())
-    info = rank_info()
-    _redirect(pool_dir / f"rank-{info.rank}.log")
-    i = 0
-    try:
-        import torch
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        if conf["init"] != "none" and info.world_size > 1:
-            _join_group(conf["init"], info)
-    except BaseException as e:  # noqa: BLE001 - a rank that cannot join fails the first job
-        _report(pool_dir, 0, info.rank, e)
-        return 1
-    while True:
-        job = _next_job(pool_dir, i, conf["owner_pid"])
-        if job is None:
-            break
-        try:
-            value = resolve(job["target"])(**job["kwargs"])
-            _write(pool_dir / f"result-{i}-{info.rank}.json", value)
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the parent, with its traceback
-            _report(pool_dir, i, info.rank, e)
-            return 1
-        i += 1
-    _leave_group()
-    return 0
-
-
-def _next_job(pool_dir: Path, i: int, owner_pid: int):
-    """The i-th job, or None when the pool is closed or its owner (the notebook's kernel) is gone."""
-    import psutil
-    path, last_check = pool_dir / f"job-{i}.json", time.monotonic()
-    while not path.exists():
-        if (pool_dir / "stop").exists():
-            return None
-        if time.monotonic() - last_check > 2:
-            last_check = time.monotonic()
-            if not psutil.pid_exists(owner_pid):
-                return None
-        time.sleep(POLL_S)
-    return json.loads(path.read_text())
-
-
-def _report(pool_dir: Path, job: int, rank: int, e: BaseException) -> None:
-    from ..worker import is_peer_failure
-    _write(pool_dir / f"error-{job}-{rank}.json",
-           {"rank": rank, "error": type(e).__name__, "message": str(e), "t": time.time(),
-            "traceback": traceback.format_exc(), "peer_failure": is_peer_failure(e)})
-    traceback.print_exc()
-
-
-def _join_group(init: str, info) -> None:
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
-    backend = ("nccl" if torch.cuda.is_available() else "gloo") if init == "auto" else init
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=60))
-
-
-def _leave_group():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # nobody tears the group down while a peer still talks to it
-        dist.destroy_process_group()
-
-
-def _write(path: Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, default=_plain))
-    tmp.rename(path)  # atomic: the reader never sees half a file
-
-
-def _plain(value):
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"rank result holds a {type(value).__name__}, which is not JSON data")
-
-
-def _redirect(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def main(argv=None) -> int:
-    """`python -m scalelab.launch.spmd --pool DIR`: what each rank runs."""
-    parser = argparse.ArgumentParser(prog="python -m scalelab.launch.spmd", description=rank_main.__doc__)
-    parser.add_argument("--pool", required=True, help="the pool's folder holding pool.json and job files")
-    return rank_main(parser.parse_args(argv).pool)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
-from ..run import free_port, scrub_env
+from ..run.procs import free_port, scrub_env
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
 
 # torchrun's failure report: "  rank      : 1 (local_rank: 1)"
@@ -23,7 +23,7 @@ class TorchrunRun(ProcessRun):
 
 
 def torchrun_command(spec, run_dir, port: int) -> list[str]:
-    """`python -m torch.distributed.run ... -m scalelab.worker ...` for one node."""
+    """`python -m torch.distributed.run ... -m scalelab.train.worker ...` for one node."""
     worker = worker_command(run_dir)
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.world.workers_per_node}",
             "--nnodes=1", "--max-restarts=0", "--master-addr=127.0.0.1", f"--master-port={port}",

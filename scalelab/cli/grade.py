@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .lab import GradingError
+from ..course.lab import GradingError
 
 
 def add_cli(subparsers) -> None:
@@ -64,8 +64,8 @@ def _parameters(pairs: list[str]) -> dict:
 
 def grade_command(args) -> int:
     """`scalelab grade`: 0 when every submission was graded, 1 when the grader failed on one."""
-    from .grader import GradeOptions, grade
-    from .release import resolve_lab
+    from ..grade.grader import GradeOptions, grade
+    from ..course.release import resolve_lab
     if args.jobs < 1:
         raise GradingError(f"-j/--jobs must be >= 1, got {args.jobs}")
     options = GradeOptions(jobs=args.jobs, parameters=_parameters(args.set) or None,
@@ -80,7 +80,7 @@ def grade_command(args) -> int:
 
     batch = grade(resolve_lab(args.lab), args.submissions, args.out, options, progress)
     if args.json:
-        from .report import result_to_dict
+        from ..grade.report import result_to_dict
         print(json.dumps({"lab": batch.lab, "out": str(batch.out_dir), "gradebook": str(batch.gradebook),
                           "duration_s": round(batch.duration_s, 2),
                           "results": [result_to_dict(r) for r in batch.results]}, indent=1, default=str))
@@ -104,8 +104,9 @@ def _table(batch) -> None:
 
 def release_command(args) -> int:
     """`scalelab labs release`: write the student copies and say what each got."""
-    from .release import DEFAULT_LABS, DEFAULT_OUT, release_labs
-    reports = release_labs(args.labs or None, args.labs_root or DEFAULT_LABS, args.out or DEFAULT_OUT)
+    from ..course.release import release_labs
+    from ..paths import labs_dir, student_labs_dir
+    reports = release_labs(args.labs or None, args.labs_root or labs_dir(), args.out or student_labs_dir())
     for rep in reports:
         left = f"; left out {', '.join(rep.left_out)}" if rep.left_out else ""
         print(f"{rep.lab}: {rep.exercises} exercise(s), {len(rep.files)} file(s) -> {rep.out}{left}")

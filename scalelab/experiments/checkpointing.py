@@ -1,4 +1,5 @@
-"""The experiments of Lab 06, as functions a notebook cell calls and a test can call too."""
+"""The experiments of Lab 06, as functions a notebook cell calls and a test can call too (with what the lab reads
+of the engine's checkpoints: `read_manifest`, retention's `select`)."""
 from __future__ import annotations
 
 import shutil
@@ -7,9 +8,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ScalelabError
-from .manifest import read_manifest
-from .sync import latest_checkpoint, load_checkpoint, save_checkpoint
-from .timeline import timeline
+from ..ckpt.manifest import read_manifest
+from ..ckpt.retention import select
+from ..ckpt.sync import latest_checkpoint, load_checkpoint, save_checkpoint
+from .ckpt_timeline import timeline
 
 
 def anatomy(directory, width: int = 64) -> dict:
@@ -62,4 +64,4 @@ def final_params(run_dir) -> dict:
     return torch.load(Path(run_dir) / "model.pt", weights_only=True)
 
 
-__all__ = ["anatomy", "mode_summary", "final_params"]
+__all__ = ["anatomy", "mode_summary", "final_params", "read_manifest", "select", "timeline"]

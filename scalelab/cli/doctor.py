@@ -5,21 +5,21 @@
 
 "Required" means needed by `make test` and `make hub` (the full kit: Horovod, MPI, Slurm, the proxy, a browser).
 CUDA is never required: without it every run uses gloo on CPU. The API is `run_checks() -> list[Check]`; the CLI
-only prints it. Tools are looked up on PATH and then in this interpreter's bin directory (the venv's, where
-`make` puts configurable-http-proxy and horovodrun).
+only prints it. Tools are looked up as the launchers look them up (`scalelab.paths.find_tool`: beside this Python,
+then PATH), and each fix is the command in `scalelab.paths.INSTALL_HINTS`.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-APT = "apt-get install -y"  # as root; tools/ensure_debian.sh runs it for every package the kit needs
+from ..paths import INSTALL_HINTS, find_tool, venv_bin
+
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,6 @@ class Check:
     """The command that fixes it; empty when ok."""
     required: bool = True
     """Whether `make test` / `make hub` need it; a failing optional check does not fail the doctor."""
-
-
-def venv_bin() -> Path:
-    """The bin directory of the running interpreter's environment (the venv's when run from it)."""
-    return Path(sys.prefix) / "bin"
-
-
-def which(name: str) -> str | None:
-    """`name` on PATH, else in the venv's bin directory; None when in neither."""
-    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), str(venv_bin())]))
 
 
 def _run(cmd: list[str], timeout: float = 60, env: dict | None = None) -> tuple[int, str]:
@@ -100,7 +90,7 @@ import json, horovod, horovod.torch as hvd
 print(json.dumps({"version": horovod.__version__, "gloo": bool(hvd.gloo_built()),
                   "mpi": bool(hvd.mpi_built()), "nccl": bool(hvd.nccl_built())}))
 """
-_HOROVOD_FIX = "bash tools/ensure_horovod.sh   (builds the wheel once, ~7 min on 2 cores)"
+_HOROVOD_FIX = INSTALL_HINTS["horovodrun"]
 
 
 def check_horovod() -> Check:
@@ -125,7 +115,7 @@ def _last_line(text: str) -> str:
 
 def check_horovodrun() -> Check:
     """The `horovodrun` launcher is on PATH or in the venv."""
-    path = which("horovodrun")
+    path = find_tool("horovodrun")
     if not path:
         return Check("horovodrun", False, "horovodrun not found on PATH or in " + str(venv_bin()), _HOROVOD_FIX)
     return Check("horovodrun", True, path, "")
@@ -133,8 +123,8 @@ def check_horovodrun() -> Check:
 
 def check_mpi() -> Check:
     """Open MPI's `mpirun` runs."""
-    fix = f"{APT} openmpi-bin libopenmpi-dev"
-    path = which("mpirun")
+    fix = INSTALL_HINTS["mpirun"]
+    path = find_tool("mpirun")
     if not path:
         return Check("mpirun", False, "mpirun not found on PATH", fix)
     rc, out = _run([path, "--version"], timeout=30)
@@ -145,18 +135,18 @@ def check_mpi() -> Check:
 
 def check_slurm() -> Check:
     """Slurm's client commands (sbatch, squeue) are installed."""
-    found = {name: which(name) for name in ("sbatch", "squeue")}
+    found = {name: find_tool(name) for name in ("sbatch", "squeue")}
     missing = [name for name, path in found.items() if not path]
     if missing:
-        return Check("slurm", False, f"{', '.join(missing)} not found on PATH", f"{APT} slurm-wlm munge")
+        return Check("slurm", False, f"{', '.join(missing)} not found on PATH", INSTALL_HINTS["sbatch"])
     return Check("slurm", True, ", ".join(f"{n} at {p}" for n, p in found.items()), "")
 
 
 def check_slurm_cluster() -> Check:
     """A Slurm cluster answers: the one SLURM_CONF names, /etc/slurm's, or scalelab's local one."""
-    squeue = which("squeue")
+    squeue = find_tool("squeue")
     if not squeue:
-        return Check("slurm cluster", False, "no squeue (see the slurm check)", f"{APT} slurm-wlm munge",
+        return Check("slurm cluster", False, "no squeue (see the slurm check)", INSTALL_HINTS["sbatch"],
                      required=False)
     conf = os.environ.get("SLURM_CONF") or ("/etc/slurm/slurm.conf" if Path("/etc/slurm/slurm.conf").exists() else "")
     if conf:
@@ -168,9 +158,9 @@ def check_slurm_cluster() -> Check:
                      "check that slurmctld runs for that slurm.conf, or unset SLURM_CONF to use the local cluster",
                      required=False)
     try:
-        from .cluster import LocalCluster
+        from ..cluster.local import LocalCluster
     except ImportError as e:
-        return Check("slurm cluster", False, f"no SLURM_CONF, and scalelab.cluster cannot be imported: {e}", "",
+        return Check("slurm cluster", False, f"no SLURM_CONF, and scalelab.cluster.local cannot be imported: {e}", "",
                      required=False)
     cluster = LocalCluster()
     try:
@@ -188,8 +178,8 @@ def check_slurm_cluster() -> Check:
 
 def check_chp() -> Check:
     """configurable-http-proxy (JupyterHub's proxy) runs and says its version."""
-    fix = "bash tools/ensure_chp.sh   (npm installs it into .venv/node, linked as .venv/bin/configurable-http-proxy)"
-    path = which("configurable-http-proxy")
+    fix = INSTALL_HINTS["configurable-http-proxy"]
+    path = find_tool("configurable-http-proxy")
     if not path:
         return Check("configurable-http-proxy", False, f"not found on PATH or in {venv_bin()}", fix)
     rc, out = _run([path, "--version"], timeout=30)
@@ -201,8 +191,8 @@ def check_chp() -> Check:
 
 def check_chromium() -> Check:
     """Debian's chromium, the browser the browser tests drive through playwright."""
-    fix = f"{APT} chromium chromium-driver"
-    path = which("chromium")
+    fix = INSTALL_HINTS["chromium"]
+    path = find_tool("chromium")
     if not path:
         return Check("chromium", False, "chromium not found on PATH", fix)
     rc, out = _run([path, "--version"], timeout=30)

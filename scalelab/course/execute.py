@@ -221,7 +221,7 @@ def _run_child(job: dict, env: dict | None, deadline: float | None) -> tuple[dic
         job["result"] = str(result_file)
         job_file.write_text(json.dumps(job))
         child_env = {**os.environ, **(env or {})}
-        code = "import sys; from scalelab.grade.execute import _child_main; _child_main(sys.argv[1])"
+        code = "import sys; from scalelab.course.execute import _child_main; _child_main(sys.argv[1])"
         with open(log_file, "wb") as log:
             # Own session: the child's group can be killed without touching ours.
             proc = subprocess.Popen([sys.executable, "-c", code, str(job_file)], stdout=log, stderr=subprocess.STDOUT,

@@ -19,28 +19,20 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..paths import labs_dir, student_labs_dir
+from .solutions import replace_solutions
 from .lab import NOTEBOOK, GradingError, find_labs, student_files
 
-BEGIN = re.compile(r"^(\s*)#+\s*BEGIN SOLUTION\b")
-END = re.compile(r"^\s*#+\s*END SOLUTION\b")
 PLACEHOLDER = ("# YOUR CODE HERE", 'raise NotImplementedError("exercise")')
 # Notebook metadata that only says how the reference was last executed.
 _RUN_METADATA = ("papermill", "execution", "scalelab")
 
 
-def repo_root() -> Path:
-    """The checkout this package runs from (labs/ and build/ live there)."""
-    return Path(__file__).resolve().parents[2]
-
-
-DEFAULT_LABS = repo_root() / "labs"
-DEFAULT_OUT = repo_root() / "build" / "student" / "labs"
 
 
 class ReleaseError(GradingError):
@@ -63,27 +55,7 @@ class ReleaseReport:
 
 def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     """`source` with each solution block replaced by the placeholder; returns (new source, blocks replaced)."""
-    out, block_indent, blocks = [], None, 0
-    lines = source.splitlines(keepends=True)
-    for number, line in enumerate(lines, 1):
-        begin, end = BEGIN.match(line), END.match(line)
-        if begin:
-            if block_indent is not None:
-                raise ReleaseError(f"{where}, line {number}: BEGIN SOLUTION inside another solution block")
-            block_indent = begin.group(1)
-            continue
-        if end:
-            if block_indent is None:
-                raise ReleaseError(f"{where}, line {number}: END SOLUTION without a BEGIN SOLUTION before it")
-            newline = "\n" if line.endswith("\n") else ""
-            out.append("".join(f"{block_indent}{p}\n" for p in PLACEHOLDER).rstrip("\n") + newline)
-            block_indent, blocks = None, blocks + 1
-            continue
-        if block_indent is None:
-            out.append(line)
-    if block_indent is not None:
-        raise ReleaseError(f"{where}: BEGIN SOLUTION is never closed by an END SOLUTION")
-    return "".join(out), blocks
+    return replace_solutions(source, PLACEHOLDER, where, ReleaseError)
 
 
 def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
@@ -151,9 +123,11 @@ def release_lab(lab_dir: str | Path, out_dir: str | Path) -> ReleaseReport:
     return report
 
 
-def release_labs(names: list[str] | None = None, labs_root: str | Path = DEFAULT_LABS,
-                 out_root: str | Path = DEFAULT_OUT) -> list[ReleaseReport]:
-    """Release the named labs (folder names or paths), or every lab under `labs_root`, into `out_root`/<name>."""
+def release_labs(names: list[str] | None = None, labs_root: str | Path | None = None,
+                 out_root: str | Path | None = None) -> list[ReleaseReport]:
+    """Release the named labs (folder names or paths), or every lab under `labs_root` (the checkout's labs/), into
+    `out_root`/<name> (build/student/labs)."""
+    labs_root, out_root = labs_root or labs_dir(), out_root or student_labs_dir()
     if names:
         dirs = [resolve_lab(n, labs_root) for n in names]
     else:
@@ -163,8 +137,9 @@ def release_labs(names: list[str] | None = None, labs_root: str | Path = DEFAULT
     return [release_lab(d, Path(out_root) / d.name) for d in dirs]
 
 
-def resolve_lab(name: str | Path, labs_root: str | Path = DEFAULT_LABS) -> Path:
-    """A lab folder from a path, or from a folder name under `labs_root`."""
+def resolve_lab(name: str | Path, labs_root: str | Path | None = None) -> Path:
+    """A lab folder from a path, or from a folder name under `labs_root` (the checkout's labs/)."""
+    labs_root = labs_root or labs_dir()
     path = Path(name)
     if path.name == NOTEBOOK:
         path = path.parent
@@ -177,4 +152,4 @@ def resolve_lab(name: str | Path, labs_root: str | Path = DEFAULT_LABS) -> Path:
 
 
 __all__ = ["ReleaseError", "ReleaseReport", "strip_solutions", "student_notebook", "student_file", "release_lab", "release_labs",
-           "resolve_lab", "DEFAULT_LABS", "DEFAULT_OUT", "PLACEHOLDER"]
+           "resolve_lab", "PLACEHOLDER"]

@@ -6,8 +6,25 @@ import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from . import spec as S
-from .errors import SpecError
+from ..errors import SpecError
+
+# The allowed values of every choice field: owned here, re-exported by scalelab.run.spec.
+MODELS = ("cnn", "mlp", "transformer")
+DATA_SOURCES = ("heat", "digits", "path")
+STRATEGIES = ("ddp", "horovod")
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+LAUNCHERS = ("local", "torchrun", "slurm", "horovodrun", "mpirun")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+LR_SCALING = ("none", "linear", "sqrt")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_MODES = ("sync", "async", "sharded")
+DATA_FORMATS = ("memory", "files", "shards", "hdf5")
+DEVICES = ("auto", "cpu", "cuda")
+FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
+MALLOC_POLICIES = ("retain", "system")
+WAITS = ("auto", "spin", "block")
+WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
+SLURM_WORD = re.compile(r"^[A-Za-z0-9_.\-]*$")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _MEM = re.compile(r"^$|^\d+[KMGT]?$")
@@ -61,10 +78,10 @@ def _regex(pattern, what):
 # (type, rule) per dotted field. bool is checked before int because bool is an int subclass.
 RULES = {
     "name": (str, _regex(_NAME, "1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")),
-    "model.name": (str, _choice(S.MODELS)),
+    "model.name": (str, _choice(MODELS)),
     "model.width": (int, _int_at_least(1, 4096)),
     "model.depth": (int, _int_at_least(1, 64)),
-    "data.source": (str, _choice(S.DATA_SOURCES)),
+    "data.source": (str, _choice(DATA_SOURCES)),
     "data.path": (str, None),
     "data.samples": (int, _int_at_least(8, 10_000_000)),
     "data.size": (int, _int_at_least(4, 1024)),
@@ -72,43 +89,43 @@ RULES = {
     "data.loader_workers": (int, _int_at_least(0, 64)),
     "data.prefetch_factor": (int, _int_at_least(1, 64)),
     "data.pin_memory": (bool, None),
-    "data.format": (str, _choice(S.DATA_FORMATS)),
+    "data.format": (str, _choice(DATA_FORMATS)),
     "data.samples_per_shard": (int, _int_at_least(1, 1_000_000)),
     "data.compress": (bool, None),
     "data.open_latency_ms": (float, _bounded_float(0.0, 10_000.0)),
     "data.read_mb_per_s": (float, _bounded_float(0.0, 1e6)),
-    "strategy": (str, _choice(S.STRATEGIES)),
-    "backend": (str, _choice(S.BACKENDS)),
-    "device": (str, _choice(S.DEVICES)),
+    "strategy": (str, _choice(STRATEGIES)),
+    "backend": (str, _choice(BACKENDS)),
+    "device": (str, _choice(DEVICES)),
     "world.workers_per_node": (int, _int_at_least(1, 1024)),
     "world.nodes": (int, _int_at_least(1, 4096)),
     "world.threads_per_worker": (int, _int_at_least(0, 1024)),
-    "world.malloc": (str, _choice(S.MALLOC_POLICIES)),
-    "world.wait": (str, _choice(S.WAITS)),
-    "launcher": (str, _choice(S.LAUNCHERS)),
-    "optim.name": (str, _choice(S.OPTIMIZERS)),
+    "world.malloc": (str, _choice(MALLOC_POLICIES)),
+    "world.wait": (str, _choice(WAITS)),
+    "launcher": (str, _choice(LAUNCHERS)),
+    "optim.name": (str, _choice(OPTIMIZERS)),
     "optim.batch_per_worker": (int, _int_at_least(1, 1_000_000)),
     "optim.lr": (float, _positive_float),
-    "optim.lr_scaling": (str, _choice(S.LR_SCALING)),
+    "optim.lr_scaling": (str, _choice(LR_SCALING)),
     "optim.base_batch": (int, _int_at_least(1)),
     "optim.warmup_steps": (int, _int_at_least(0)),
     "optim.momentum": (float, _unit_interval),
     "optim.weight_decay": (float, _non_negative_float),
     "optim.grad_accum": (int, _int_at_least(1, 1024)),
-    "precision": (str, _choice(S.PRECISIONS)),
+    "precision": (str, _choice(PRECISIONS)),
     "checkpoint.every_steps": (int, _int_at_least(0)),
-    "checkpoint.mode": (str, _choice(S.CHECKPOINT_MODES)),
+    "checkpoint.mode": (str, _choice(CHECKPOINT_MODES)),
     "checkpoint.keep_last": (int, _int_at_least(1, 1000)),
     "checkpoint.keep_best": (int, _int_at_least(0, 1000)),
     "checkpoint.resume": (bool, None),
-    "slurm.partition": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
-    "slurm.account": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
-    "slurm.reservation": (str, _regex(S._SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
-    "slurm.time": (str, _regex(S._WALLTIME, "a Slurm time: minutes, HH:MM:SS or D-HH:MM:SS")),
+    "slurm.partition": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
+    "slurm.account": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
+    "slurm.reservation": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
+    "slurm.time": (str, _regex(WALLTIME, "a Slurm time: minutes, HH:MM:SS or D-HH:MM:SS")),
     "slurm.gpus_per_node": (int, _int_at_least(0, 64)),
     "slurm.cpus_per_task": (int, _int_at_least(1, 1024)),
     "slurm.mem": (str, _regex(_MEM, "empty or a size like 4G, 500M")),
-    "fault.kind": (str, _choice(S.FAULT_KINDS)),
+    "fault.kind": (str, _choice(FAULT_KINDS)),
     "fault.rank": (int, _int_at_least(0)),
     "fault.step": (int, _int_at_least(0)),
     "steps": (int, _int_at_least(1, 10_000_000)),
@@ -220,5 +237,5 @@ def _cross_checks(spec) -> None:
     if spec.checkpoint.mode == "sharded" and spec.strategy != "ddp":
         raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
-    if spec.data.source == "digits" and spec.data.classes != S.DataSpec.classes and spec.data.classes != 10:
+    if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")

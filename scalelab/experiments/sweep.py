@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ScalelabError, SpecError
+from ..errors import ScalelabError, SpecError
 
 MODES = ("weak", "strong", "batch")
 
@@ -72,7 +72,7 @@ def run_sweep(specs, timeout: float = 600, on_result=None, cache: dict | None = 
     summary) lets a second sweep reuse a run it already measured, e.g. the 1-worker run shared by weak and strong
     sweeps. A failed run raises RunFailed: the sweep stops there; so does SweepStopped raised by `on_result`.
     """
-    from .launch import launch
+    from ..launch import launch
     summaries = []
     for i, spec in enumerate(specs):
         key = spec_key(spec)

@@ -13,29 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecError
+from ..errors import SpecError
+from .validate import (validate_spec, MODELS, DATA_SOURCES, STRATEGIES, BACKENDS, LAUNCHERS, OPTIMIZERS,
+                       LR_SCALING, PRECISIONS, CHECKPOINT_MODES, DATA_FORMATS, DEVICES, FAULT_KINDS, MALLOC_POLICIES, WAITS)  # noqa: F401 - re-exported
 
-MODELS = ("cnn", "mlp", "transformer")
-DATA_SOURCES = ("heat", "digits", "path")
-STRATEGIES = ("ddp", "horovod")
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
-LAUNCHERS = ("local", "torchrun", "slurm", "horovodrun", "mpirun")
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
-LR_SCALING = ("none", "linear", "sqrt")
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINT_MODES = ("sync", "async", "sharded")
-DATA_FORMATS = ("memory", "files", "shards", "hdf5")
-DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
-MALLOC_POLICIES = ("retain", "system")
-WAITS = ("auto", "spin", "block")
-_WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
-_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.\-]*$")
 
 
 @dataclass
@@ -267,7 +252,6 @@ class RunSpec:
 
     def validate(self) -> "RunSpec":
         """Check every field; raise SpecError naming the first bad one. Returns self."""
-        from .validate import validate_spec
         validate_spec(self)
         return self
 

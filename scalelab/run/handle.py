@@ -13,17 +13,16 @@ lives here once.
 """
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import time
 from pathlib import Path
 
 import psutil
 
-from .errors import RunFailed, RunTimeout
+from ..errors import RunFailed, RunTimeout
 from .events import EventReader
 from .metrics import summarize
+from .procs import alive, kill_processes
 
 ACTIVE = ("pending", "running")
 POLL_S = 0.2
@@ -194,63 +193,4 @@ class _Gone:
 
 
 def _alive(proc) -> bool:
-    if isinstance(proc, _Gone):
-        return False
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def kill_processes(procs: list[psutil.Process], grace_s: float = 3.0) -> None:
-    """SIGTERM the processes and all their descendants, then SIGKILL whatever is left after `grace_s`."""
-    family: dict[int, psutil.Process] = {}
-    for p in procs:
-        try:
-            for q in [p, *p.children(recursive=True)]:
-                family[q.pid] = q
-        except psutil.NoSuchProcess:
-            continue
-    alive = [p for p in family.values() if _alive(p)]
-    for p in alive:
-        _signal(p, signal.SIGTERM)
-    _, alive = psutil.wait_procs(alive, timeout=grace_s)
-    for p in alive:
-        _signal(p, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=grace_s)
-
-
-def _signal(p: psutil.Process, sig) -> None:
-    try:
-        p.send_signal(sig)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        pass
-
-
-def describe_exit(code: int) -> str:
-    """'exit status 3' or 'killed by SIGKILL' for a Popen return code."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now (for the rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrub_env(env: dict | None = None) -> dict:
-    """The parent environment minus the distributed variables of an enclosing run (a notebook under srun)."""
-    env = dict(os.environ if env is None else env)
-    prefixes = ("SLURM_", "OMPI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
-    for key in list(env):
-        if key.startswith(prefixes) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                               "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK"):
-            if key not in ("SLURM_CONF",):
-                del env[key]
-    return env
+    return not isinstance(proc, _Gone) and alive(proc)

@@ -1,7 +1,8 @@
 """The `scalelab` command: a thin layer over the library; each subcommand lives with the code it drives.
 
-Every module listed in `COMMANDS` exposes `add_cli(subparsers)`, which adds its sub-parser and sets
-`func(args) -> int` on it. Imports are lazy so `scalelab --help` stays fast.
+One module of `scalelab.cli` per command group. Every module listed in `COMMANDS` exposes `add_cli(subparsers)`, which adds its sub-parser and sets
+`func(args) -> int` on it; the work itself is done by the library it calls. Imports are lazy so
+`scalelab --help` stays fast.
 """
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import argparse
 import importlib
 import sys
 
-from .errors import ScalelabError
+from ..errors import ScalelabError
 
 COMMANDS = [
-    "scalelab.runcli",        # scalelab run
-    "scalelab.doctor",        # scalelab doctor
-    "scalelab.cluster",       # scalelab cluster up|down|status
-    "scalelab.hub.cli",       # scalelab hub, scalelab kernels
-    "scalelab.grade.cli",     # scalelab grade, scalelab labs release
-    "scalelab.sitecli",       # scalelab site build
+    "scalelab.cli.run",       # scalelab run
+    "scalelab.cli.doctor",    # scalelab doctor
+    "scalelab.cli.cluster",   # scalelab cluster up|down|status
+    "scalelab.cli.hub",       # scalelab hub, scalelab kernels
+    "scalelab.cli.grade",     # scalelab grade, scalelab labs release
+    "scalelab.cli.site",      # scalelab site build
 ]
 
 
@@ -51,6 +52,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

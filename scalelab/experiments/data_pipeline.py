@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import file_count, open_dataset, stored_bytes, write_dataset
-from .order import OrderAwarePrefetcher, sampler_order
-from .prefetch import Prefetcher, batch_reader, batches_of
-from .store import CachedStore, LocalStore, ThrottledStore
-from .stream import ShardStream
+from ..data.formats import file_count, open_dataset, stored_bytes, write_dataset
+from ..data.order import OrderAwarePrefetcher, reuse_distances, sampler_order
+from ..data.prefetch import Prefetcher, batch_reader, batches_of
+from ..data.store import CachedStore, LocalStore, ThrottledStore
+from ..data.stream import ShardStream
+from ..data.synthetic import heat_fields
 
 LAYOUTS = {"files": ("files", False), "shards": ("shards", False), "shards-zlib": ("shards", True),
            "hdf5": ("hdf5", False)}
@@ -128,7 +129,7 @@ def cache_epochs(path, cache_dir, epochs: int, batch: int, open_latency_s: float
 
 def reuse_summary(order, capacity: int) -> dict:
     """Reuse distances of an access order and what caches of `capacity` samples would hit."""
-    from .order import reuse_distances, simulate_cache
+    from ..data.order import reuse_distances, simulate_cache
     d = reuse_distances(order)
     again = d[d >= 0]
     return {"accesses": int(len(d)), "first_accesses": int((d < 0).sum()), "capacity": int(capacity),
@@ -166,5 +167,5 @@ def readahead_run(path, order, workers: int, lookahead: int, compute_s: float, o
             "accesses": len(order), "stall_s": pipe.trace.summary()["stall_s"]}
 
 
-__all__ = ["LAYOUTS", "write_layouts", "pfs_store", "read_epoch", "stream_epoch", "format_comparison",
+__all__ = ["heat_fields", "reuse_distances", "sampler_order", "LAYOUTS", "write_layouts", "pfs_store", "read_epoch", "stream_epoch", "format_comparison",
            "prefetch_run", "cache_epochs", "reuse_summary", "order_aware_run", "readahead_run"]

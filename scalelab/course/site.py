@@ -1,7 +1,7 @@
 """Build the course website: execute each lab once (cached by content), render its page, run Sphinx.
 
     scalelab site build                         # labs/*/ -> build/executed/<lab>/ -> site/_build/html
-    from scalelab.site_build import build_site
+    from scalelab.course.site import build_site
     report = build_site()                       # SiteReport: where the HTML is, which labs ran or were reused
 
 1. Execute. Each lab's reference notebook runs with its lab.yaml grading parameters and limits in a working copy,
@@ -34,11 +34,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import ScalelabError
-from .grade.lab import NOTEBOOK, Lab, find_labs, load_lab, student_files
-from .grade.release import BEGIN, END, release_lab, repo_root, student_notebook
+from ..errors import ScalelabError
+from .lab import NOTEBOOK, Lab, find_labs, load_lab, student_files
+from .release import release_lab
+from .solutions import replace_solutions
+from ..paths import checkout_root
 
-ROOT = repo_root()
+ROOT = checkout_root()
 SITE_SRC = ROOT / "site"
 HTML_OUT = SITE_SRC / "_build" / "html"
 EXECUTED = ROOT / "build" / "executed"
@@ -116,7 +118,7 @@ def ensure_executed(lab_dir: str | Path, executed_root: str | Path = EXECUTED, f
 
 
 def _execute(lab: Lab, work: Path, digest: str) -> ExecutedLab:
-    from .grade.execute import NotebookError, execute_notebook
+    from .execute import NotebookError, execute_notebook
     if work.exists():
         shutil.rmtree(work)  # runs from an older version of the lab must not linger
     work.mkdir(parents=True)
@@ -148,24 +150,7 @@ def _read_stamp(path: Path) -> dict:
 
 def hide_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     """`source` with each `# BEGIN SOLUTION` ... `# END SOLUTION` block replaced by one `# YOUR CODE HERE` line."""
-    out, indent, blocks = [], None, 0
-    for number, line in enumerate(source.splitlines(keepends=True), 1):
-        begin, end = BEGIN.match(line), END.match(line)
-        if begin:
-            if indent is not None:
-                raise SiteBuildError(f"{where}, line {number}: BEGIN SOLUTION inside another solution block")
-            indent = begin.group(1)
-        elif end:
-            if indent is None:
-                raise SiteBuildError(f"{where}, line {number}: END SOLUTION without a BEGIN SOLUTION before it")
-            out.append(f"{indent}{HIDDEN}" + ("\n" if line.endswith("\n") else ""))
-            indent, blocks = None, blocks + 1
-        elif indent is None:
-            out.append(line)
-    if indent is not None:
-        raise SiteBuildError(f"{where}: BEGIN SOLUTION is never closed by an END SOLUTION; a page must not show "
-                             "half a solution")
-    return "".join(out), blocks
+    return replace_solutions(source, [HIDDEN], where, SiteBuildError)
 
 
 def lab_page(executed: dict, lab: Lab, download: str | None = None) -> dict:

@@ -9,29 +9,27 @@
 Everything (slurm.conf, the munge key and socket, spool, logs, pid files) lives in one state directory, by default
 $SCALELAB_CLUSTER_DIR, else /var/lib/scalelab/cluster when run as root (readable by every user, so students'
 jobs can be submitted through it), else ~/.cache/scalelab/cluster. A client process needs only `LocalCluster.env()`: SLURM_CONF.
-The configuration itself (and why each setting) is in `scalelab.cluster_conf`.
+The configuration itself (and why each setting) is in `scalelab.cluster.conf`; `scalelab.cli.cluster` is the CLI.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import pwd
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from .cluster_conf import (CTLD_PORT, SLURMD_PORT, StatePaths, detect_machine, gres_conf_text, node_usable,
-                           parse_scontrol, slurm_conf_text, status_table, summarise)
-from .errors import ClusterError
+from .conf import (CTLD_PORT, SLURMD_PORT, StatePaths, detect_machine, gres_conf_text, node_usable, parse_scontrol,
+                   slurm_conf_text, summarise)
+from ..errors import ClusterError
+from ..run.procs import kill_processes
 
-__all__ = ["LocalCluster", "default_state_dir", "slurm_conf_text", "add_cli"]
+__all__ = ["LocalCluster", "default_state_dir", "slurm_conf_text"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")  # start order; stopped in reverse
 INSTALL = "apt-get install slurm-wlm munge"
@@ -271,9 +269,13 @@ class LocalCluster:
             pid = self._pid(daemon)
             if pid:
                 try:
-                    _terminate(pid)
+                    os.kill(pid, 0)  # may we signal it at all? (kill_processes skips what it may not)
                 except PermissionError:
                     raise ClusterError(f"{daemon} (pid {pid}) belongs to root: run `sudo scalelab cluster down`")
+                except ProcessLookupError:
+                    pass
+                else:
+                    kill_processes([pid], grace_s=15, tree=False)
             self._pid_file(daemon).unlink(missing_ok=True)
 
     # -- queries ----------------------------------------------------------------------------------------------
@@ -359,18 +361,6 @@ def _daemon_cmdlines() -> list[str]:
     return found
 
 
-def _terminate(pid: int, grace: float = 15) -> None:
-    """SIGTERM one process we started, then SIGKILL if it outlives `grace` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-        end = time.monotonic() + grace
-        while time.monotonic() < end:
-            if not Path(f"/proc/{pid}").exists() or _zombie(pid):
-                return
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-
-
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -383,44 +373,3 @@ def _tail(path: Path, lines: int = 5) -> str:
         return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-# -- CLI ------------------------------------------------------------------------------------------------------
-
-def add_cli(subparsers) -> None:
-    """Add `scalelab cluster up|down|status [--json]`."""
-    p = subparsers.add_parser("cluster", help="a real single-node Slurm on this machine (development and tests)",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("--state-dir", default=None, help="state directory (default: $SCALELAB_CLUSTER_DIR or "
-                                                       "~/.cache/scalelab/cluster)")
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    up = sub.add_parser("up", help="start munged, slurmctld and slurmd (no-op when up); prints `export SLURM_CONF=`")
-    up.add_argument("--timeout", type=float, default=60, help="seconds to wait for a usable node (default 60)")
-    up.set_defaults(func=_cli_up)
-    sub.add_parser("down", help="stop the daemons; the state directory is kept").set_defaults(func=_cli_down)
-    st = sub.add_parser("status", help="partitions, nodes and jobs; exit 0 when up, 3 when down")
-    st.add_argument("--json", action="store_true", help="print the status as JSON")
-    st.set_defaults(func=_cli_status)
-
-
-def _cli_up(args) -> int:
-    cluster = LocalCluster(args.state_dir).up(timeout=args.timeout)
-    print(f"scalelab: local Slurm is up (logs in {cluster.log_dir}); clients need:", file=sys.stderr)
-    for k, v in cluster.env().items():
-        print(f"export {k}={v}")
-    return 0
-
-
-def _cli_down(args) -> int:
-    LocalCluster(args.state_dir).down()
-    return 0
-
-
-def _cli_status(args) -> int:
-    cluster = LocalCluster(args.state_dir)
-    st = cluster.status()
-    if args.json:
-        print(json.dumps(st, indent=2))
-    else:
-        print(status_table(st))
-    return 0 if st["up"] else 3

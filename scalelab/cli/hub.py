@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SetupError
-from .settings import ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_settings_path, hub_config_dir, load_settings
+from ..hub.settings import ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_settings_path, hub_config_dir, load_settings
 
 
 def add_cli(subparsers) -> None:
@@ -40,7 +40,7 @@ def add_cli(subparsers) -> None:
 
 def run_kernels_install(args) -> int:
     """`scalelab kernels install`."""
-    from .kernels import install_kernels
+    from ..hub.kernels import install_kernels
 
     for path in install_kernels(args.preset, prefix=args.prefix, user=args.user):
         print(f"installed kernel {path.name} ({args.preset}) in {path}")
@@ -55,7 +55,7 @@ def slurm_overrides(cfg: dict) -> tuple[dict, object | None]:
         return {"slurm": {"conf": os.environ["SLURM_CONF"]}}, None
     if Path("/etc/slurm/slurm.conf").exists():
         return {}, None
-    from ..cluster import LocalCluster
+    from ..cluster.local import LocalCluster
 
     cluster = LocalCluster().up()
     over = {"slurm": {"conf": cluster.env()["SLURM_CONF"]}}
@@ -68,7 +68,7 @@ def slurm_overrides(cfg: dict) -> tuple[dict, object | None]:
 
 
 def _preflight(cfg: dict) -> None:
-    from .config import find_proxy, python_bin
+    from ..hub.config import find_proxy, python_bin
 
     if not find_proxy(cfg):
         raise SetupError("configurable-http-proxy not found beside the course Python or on PATH: run `make hub` "
@@ -106,10 +106,11 @@ def _banner(cfg: dict, passwords: dict, cluster) -> str:
 
 def _release_course_labs() -> None:
     """Write the student copies (solutions and hidden checks removed) that `labs.source: auto` hands out."""
-    from ..grade.lab import find_labs
-    from ..grade.release import release_labs
-    from .provision import repo_root, source_candidates
-    labs_root = repo_root() / "labs"
+    from ..course.lab import find_labs
+    from ..course.release import release_labs
+    from ..paths import labs_dir
+    from ..hub.provision import source_candidates
+    labs_root = labs_dir()
     if not find_labs(labs_root):
         print(f"scalelab hub: no labs under {labs_root}; students get none", file=sys.stderr)
         return
@@ -119,7 +120,7 @@ def _release_course_labs() -> None:
 
 def run_hub(args) -> int:
     """`scalelab hub`: check the settings, prepare what the mode needs, print how to log in, run JupyterHub."""
-    from .auth import ensure_passwords
+    from ..hub.auth import ensure_passwords
 
     overrides: dict = {"mode": args.mode} if args.mode else {}
     cfg = load_settings(args.config, overrides)
@@ -140,7 +141,7 @@ def run_hub(args) -> int:
         _release_course_labs()
     passwords = ensure_passwords(cfg)
     if cfg["kernels"]["install"]:
-        from .kernels import install_kernels
+        from ..hub.kernels import install_kernels
         preset = cfg["kernels"]["preset"]
         if preset == "auto":
             preset = "local" if cfg["mode"] == "local" or cluster is not None else "cluster"

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from .formats import open_dataset
-from .order import sampler_order
-from .store import ThrottledStore
+from ..data.formats import open_dataset
+from ..data.order import sampler_order
+from ..data.store import ThrottledStore
 
 
 def simulate_steps(ranks: int, steps: int, work_s: float, straggler: int | None = None, slowdown: float = 1.0,

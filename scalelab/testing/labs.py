@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .grade.execute import NotebookResult, execute_notebook
+from ..course.execute import NotebookResult, execute_notebook
 
 LAB_NOTEBOOK = "lab.ipynb"
 

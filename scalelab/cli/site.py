@@ -1,4 +1,4 @@
-"""`scalelab site build` and `scalelab site serve`: thin commands over `scalelab.site_build`.
+"""`scalelab site build` and `scalelab site serve`: thin commands over `scalelab.course.site`.
 
     scalelab site build                      # execute (or reuse) every lab, render the pages -> site/_build/html
     scalelab site build --lab 01_single_device --force   # only that lab's page, executed again
@@ -36,7 +36,7 @@ def add_cli(subparsers) -> None:
 
 def build_command(args) -> int:
     """`scalelab site build`: 0 when the site was built; a failing lab or page is a SiteBuildError (exit 1)."""
-    from . import site_build as sb
+    from ..course import site as sb
     kwargs = {"only": args.labs, "force": args.force,
               "progress": (lambda msg: None) if args.json else (lambda msg: print(f"site: {msg}", file=sys.stderr,
                                                                                    flush=True))}
@@ -59,7 +59,7 @@ def serve_command(args) -> int:
     import functools
     import http.server
     from pathlib import Path
-    from .site_build import HTML_OUT, SiteBuildError
+    from ..course.site import HTML_OUT, SiteBuildError
     root = Path(args.dir or HTML_OUT)
     if not (root / "index.html").is_file():
         raise SiteBuildError(f"{root} has no index.html: build the site first (`scalelab site build`)")

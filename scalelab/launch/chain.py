@@ -17,10 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cluster.slurm import job_active, job_fields, slurm_command, slurm_env
 from ..errors import LaunchError, RunTimeout
 
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED", "RESIZING",
-                 "STAGE_OUT", "SIGNALING"}
 
 
 @dataclass
@@ -33,20 +32,14 @@ class SlurmChain:
 
     def states(self) -> list[str]:
         """Each job's JobState (PENDING, RUNNING, COMPLETED, TIMEOUT, ...); '' once Slurm has forgotten it."""
-        from ..launch.slurm import _slurm
-        out = []
-        for job in self.job_ids:
-            r = _slurm(["scontrol", "show", "job", "-o", job], self.env)
-            state = next((w.split("=", 1)[1] for w in r.stdout.split() if w.startswith("JobState=")), "")
-            out.append(state if r.returncode == 0 else "")
-        return out
+        return [job_fields(job, self.env).get("JobState", "") for job in self.job_ids]
 
     def wait(self, timeout: float, poll_s: float = 2.0) -> list[str]:
         """Block until no job of the chain is pending or running; returns their final states."""
         deadline = time.monotonic() + timeout
         while True:
             states = self.states()
-            if not any(s in ACTIVE_STATES for s in states):
+            if not any(job_active(s) for s in states):
                 return states
             if time.monotonic() > deadline:
                 raise RunTimeout(f"job chain {self.job_ids} in {self.run_dir} still {states} after {timeout:g} s; "
@@ -55,8 +48,7 @@ class SlurmChain:
 
     def cancel(self) -> None:
         """scancel every job of the chain."""
-        from ..launch.slurm import _slurm
-        _slurm(["scancel", *self.job_ids], self.env)
+        slurm_command(["scancel", *self.job_ids], self.env)
 
 
 def submit_chain(spec, jobs: int = 2, time_limits: list[str] | None = None, env: dict | None = None,
@@ -67,9 +59,9 @@ def submit_chain(spec, jobs: int = 2, time_limits: list[str] | None = None, env:
     """
     import sys
 
-    from ..launch.base import prepare_run_dir
-    from ..launch.slurm import _slurm, batch_script, slurm_env
-    from ..run import scrub_env
+    from .base import prepare_run_dir
+    from .slurm import batch_script
+    from ..run.procs import scrub_env
     if spec.launcher != "slurm":
         raise LaunchError(f"a job chain needs launcher 'slurm', got {spec.launcher!r}")
     if not (spec.checkpoint.every_steps and spec.checkpoint.resume):
@@ -88,10 +80,10 @@ def submit_chain(spec, jobs: int = 2, time_limits: list[str] | None = None, env:
             cmd.append(f"--dependency=afterany:{ids[-1]}")
         if time_limits and k < len(time_limits):
             cmd.append(f"--time={time_limits[k]}")
-        r = _slurm(cmd + [str(script)], env)
+        r = slurm_command(cmd + [str(script)], env)
         if r.returncode:
             if ids:
-                _slurm(["scancel", *ids], env)
+                slurm_command(["scancel", *ids], env)
             raise LaunchError(f"sbatch refused job {k + 1} of the chain: {(r.stderr or r.stdout).strip()}")
         ids.append(r.stdout.strip().split(";")[0])
     (run_dir / "job_ids").write_text("\n".join(ids) + "\n")
@@ -102,7 +94,7 @@ def run_in_time_slices(spec, limit_s: float, max_attempts: int = 5) -> list[dict
     """Train `spec` with the local launcher in attempts of at most `limit_s` seconds each, every attempt
     resuming from the newest complete checkpoint, until one finishes. Returns one dict per attempt:
     status (succeeded | stopped), start_step, resumed_from, last_step, elapsed_s."""
-    from ..launch import launch
+    from . import launch
     if not (spec.checkpoint.every_steps and spec.checkpoint.resume):
         raise LaunchError("time slices need checkpoint.every_steps > 0 and checkpoint.resume = true")
     attempts = []

@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,11 @@ import requests
 import yaml
 
 from ..errors import ScalelabError
+from ..run.procs import free_port, kill_processes
 
 
 class HubError(ScalelabError):
     """The test hub did not start, or an API call went wrong; the message has the hub log's tail."""
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class HubUser:
@@ -138,7 +131,7 @@ class HubRunner:
             "culler": {"enabled": False},
             "labs": {"source": str(self.workdir / "labs")},
         }
-        from .settings import deep_merge
+        from ..hub.settings import deep_merge
         self.settings = deep_merge(base, settings or {})
         self.config_path = self.workdir / "course.yaml"
         self.config_path.write_text(yaml.safe_dump(self.settings, sort_keys=False), encoding="utf-8")
@@ -221,7 +214,7 @@ class HubRunner:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._kill([c for c in children if not self._is_server(c)])
+        kill_processes([c for c in children if not self._is_server(c)], grace_s=5, tree=False)
         self.proc = None
         if self._log:
             self._log.close()
@@ -249,20 +242,6 @@ class HubRunner:
                 found.append(p)
         return found
 
-    @staticmethod
-    def _kill(procs: list[psutil.Process]) -> None:
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-
     def jobs(self) -> list[dict]:
         """This hub's users' Slurm jobs still in squeue: [{'id','name','state','partition','reservation',...}]."""
         if self.mode != "slurm":
@@ -282,7 +261,7 @@ class HubRunner:
     def cleanup(self) -> None:
         """Stop the hub, kill whatever of it is left, cancel this hub's jobs."""
         self.stop()
-        self._kill(self._ours())
+        kill_processes(self._ours(), grace_s=5, tree=False)
         for job in self.jobs():
             subprocess.run(["scancel", job["id"]], env=self.slurm_env(), capture_output=True, timeout=30)
 

@@ -12,7 +12,7 @@ import math
 import sys
 import time
 
-from .errors import RunFailed, ScalelabError
+from ..errors import RunFailed, ScalelabError
 
 JSON_KEYS = ("status", "world_size", "samples_per_s", "steps", "final_loss", "eval_accuracy", "strategy",
              "launcher", "elapsed_s", "per_rank_samples_per_s", "time_fraction", "run_dir", "error", "failed_rank")
@@ -44,7 +44,7 @@ def _raw():
 
 def build_spec(args):
     """The RunSpec the command line describes: preset or file, then flags, then --set overrides; validated."""
-    from .spec import load, preset
+    from ..run.spec import load, preset
     spec = load(args.spec) if args.spec else preset(args.preset)
     changes = {}
     if args.workers is not None:
@@ -65,7 +65,7 @@ def build_spec(args):
 
 def run_command(args) -> int:
     """Launch, follow with a progress bar (unless --json), print the summary; exit 1 when the run failed."""
-    from .launch import launch
+    from ..launch import launch
     spec = build_spec(args)
     run = launch(spec)
     try:

@@ -1,0 +1,80 @@
+"""The one Slurm client: which cluster a command talks to, running a command, and what a job state means.
+
+Every part that talks to Slurm (the slurm launcher, job chains, the hub's spawner, the test hub) reads job states
+through `job_phase`, so they agree on when a job is still queued, running, on its way out, or gone.
+
+    env = slurm_env()                                    # SLURM_CONF as set, /etc/slurm, or the local cluster's
+    r = slurm_command(["sbatch", "--parsable", "job.sh"], env)
+    job_phase(job_fields("123", env).get("JobState", ""))   # 'pending' | 'running' | 'held' | 'completing' | 'ended'
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from ..errors import LaunchError
+from ..paths import INSTALL_HINTS
+
+# Slurm's JobState values by what they mean for whoever waits on the job (squeue -t all, scontrol show job).
+PENDING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD",
+                            "RESIZING"})
+RUNNING_STATES = frozenset({"RUNNING"})
+# Still there, neither started nor gone: the job's processes may not run (SUSPENDED, STOPPED) or are signalled.
+HELD_STATES = frozenset({"SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"})
+COMPLETING_STATES = frozenset({"COMPLETING"})
+# Anything else (COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, PREEMPTED, OUT_OF_MEMORY, BOOT_FAIL,
+# DEADLINE, '' once Slurm has forgotten the job) has ended.
+
+
+def job_phase(state: str) -> str:
+    """'pending', 'running', 'held', 'completing' or 'ended' for a JobState ('CANCELLED by 0' counts as CANCELLED)."""
+    state = state.split()[0] if state else ""
+    for phase, states in (("pending", PENDING_STATES), ("running", RUNNING_STATES), ("held", HELD_STATES),
+                          ("completing", COMPLETING_STATES)):
+        if state in states:
+            return phase
+    return "ended"
+
+
+def job_active(state: str) -> bool:
+    """True while a job still holds (or waits for) resources: anything but ended."""
+    return job_phase(state) != "ended"
+
+
+def slurm_env(base: dict | None = None) -> dict:
+    """The environment for Slurm client commands: SLURM_CONF as set, /etc/slurm, or the local cluster's."""
+    env = dict(os.environ if base is None else base)
+    if env.get("SLURM_CONF") or Path("/etc/slurm/slurm.conf").exists():
+        return env
+    from .local import LocalCluster
+    cluster = LocalCluster()
+    if cluster.conf_path.exists():
+        env.update(cluster.env())
+        return env
+    raise LaunchError("no Slurm cluster configured: set SLURM_CONF to your cluster's slurm.conf, or start the "
+                      "local one with `scalelab cluster up`")
+
+
+def slurm_command(cmd: list[str], env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
+    """Run a Slurm client command (its exit status is the caller's to judge); LaunchError when it is missing or
+    does not answer."""
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise LaunchError(f"{cmd[0]} not found; install the Slurm client: {INSTALL_HINTS['sbatch']}") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"`{' '.join(cmd)}` did not answer within {timeout:g} s: is slurmctld up?") from None
+
+
+def job_fields(job_id: str, env: dict) -> dict:
+    """`scontrol show job` fields (JobState, Reason, ExitCode, NodeList, ...); {} once Slurm has forgotten the job."""
+    r = slurm_command(["scontrol", "show", "job", "-o", job_id], env)
+    if r.returncode:
+        return {}
+    return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+
+
+__all__ = ["job_phase", "job_active", "slurm_env", "slurm_command", "job_fields", "PENDING_STATES",
+           "RUNNING_STATES", "HELD_STATES", "COMPLETING_STATES"]

@@ -1,0 +1,86 @@
+"""Where things are: the checkout this package runs from, its parts, and the course's command-line tools.
+
+Everything is computed on call (never at import), so a test or a site that moves a folder sees the move.
+
+    checkout_root()        the folder holding scalelab/, labs/, hub_config/, kernels/, site/
+    labs_dir()             the reference labs (with solutions: never handed to students as they are)
+    student_labs_dir()     where `scalelab labs release` writes student copies (build/student/labs)
+    find_tool("mpirun")    an executable, looked up beside this Python first (the venv's bin), then on PATH
+    require_tool("mpirun") the same, or a SetupError naming the command that installs it
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .errors import ScalelabError, SetupError
+
+
+def checkout_root() -> Path:
+    """The checkout this package runs from (labs/, hub_config/, kernels/, site/ and build/ live there)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def labs_dir() -> Path:
+    """The reference labs of the checkout."""
+    return checkout_root() / "labs"
+
+
+def student_labs_dir() -> Path:
+    """Where released student copies of the labs go by default."""
+    return checkout_root() / "build" / "student" / "labs"
+
+
+def hub_config_dir() -> Path:
+    """The shipped hub configuration (jupyterhub_config.py, course settings, batch templates)."""
+    return checkout_root() / "hub_config"
+
+
+def kernels_dir() -> Path:
+    """The course kernel specs shipped in the checkout."""
+    return checkout_root() / "kernels"
+
+
+def venv_bin() -> Path:
+    """The bin directory of the running interpreter's environment (the venv's when run from it)."""
+    return Path(sys.prefix) / "bin"
+
+
+# The command that installs each tool the kit runs: doctor, launchers, the cluster and the hub name the same fix.
+_APT_SLURM = "apt-get install -y slurm-wlm munge"
+INSTALL_HINTS = {
+    "horovodrun": "bash tools/ensure_horovod.sh   (builds the wheel once, ~7 min on 2 cores)",
+    "mpirun": "apt-get install -y openmpi-bin libopenmpi-dev",
+    **{name: _APT_SLURM for name in ("sbatch", "squeue", "scontrol", "scancel", "srun", "slurmctld", "slurmd",
+                                     "munged")},
+    "configurable-http-proxy": "bash tools/ensure_chp.sh   (npm installs it into .venv/node, linked as "
+                               ".venv/bin/configurable-http-proxy)",
+    "chromium": "apt-get install -y chromium chromium-driver",
+}
+_SYSTEM_BINS = ("/usr/sbin", "/sbin")
+
+
+def find_tool(name: str) -> str | None:
+    """Absolute path of `name`: beside this Python first (the venv's bin, where `make setup` puts horovodrun and
+    configurable-http-proxy), then on PATH, then in the system sbin folders (slurmd, munged); None if nowhere."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    search = os.pathsep.join([os.environ.get("PATH", ""), str(venv_bin()), *_SYSTEM_BINS])
+    return shutil.which(name, path=search)
+
+
+def require_tool(name: str, error: type[ScalelabError] = SetupError) -> str:
+    """`find_tool(name)`, or `error` (SetupError; launchers pass LaunchError) saying where it looked and the command
+    that installs it."""
+    found = find_tool(name)
+    if not found:
+        raise error(f"{name} not found (looked beside {sys.executable} and on PATH); "
+                         f"install it: {INSTALL_HINTS.get(name, 'see scalelab doctor')}")
+    return found
+
+
+__all__ = ["checkout_root", "labs_dir", "student_labs_dir", "hub_config_dir", "kernels_dir", "venv_bin",
+           "find_tool", "require_tool", "INSTALL_HINTS"]

@@ -1,0 +1,121 @@
+"""Process helpers every launcher, pool, grader and test hub shares: one copy each.
+
+- `kill_processes`: end processes and all their descendants (SIGTERM, a grace period, then SIGKILL).
+- `free_port`: a TCP port free on the loopback now (rendezvous, hubs under test).
+- `scrub_env`: the environment minus an enclosing run's distributed variables.
+- `describe_exit`: 'exit status 3' or 'killed by SIGKILL'.
+- `is_peer_failure`: whether an error a rank saw was caused by *another* rank dying.
+
+psutil is imported when a function needs it, so importing this module stays cheap (the grader, the CLI).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+
+def alive(proc) -> bool:
+    """True while a psutil.Process runs and is not a zombie."""
+    import psutil
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_processes(procs, grace_s: float = 3.0, *, tree: bool = True) -> int:
+    """End `procs` (psutil.Process, Popen or pid) and, with `tree`, all their descendants: SIGTERM, then SIGKILL
+    whatever is left after `grace_s` (grace_s=0: SIGKILL at once). Returns how many processes were signalled."""
+    import psutil
+    family: dict[int, psutil.Process] = {}
+    for p in procs:
+        try:
+            p = p if isinstance(p, psutil.Process) else psutil.Process(p if isinstance(p, int) else p.pid)
+            # descendants first seen before any signal: a dying parent's children are re-parented away
+            for q in [p, *(p.children(recursive=True) if tree else [])]:
+                if q.pid != os.getpid():
+                    family[q.pid] = q
+        except psutil.Error:
+            continue
+    victims = [p for p in family.values() if alive(p)]
+    left = victims
+    if grace_s > 0:
+        for p in left:
+            _signal(p, signal.SIGTERM)
+        _, left = psutil.wait_procs(left, timeout=grace_s)
+    for p in left:
+        _signal(p, signal.SIGKILL)
+    psutil.wait_procs(left, timeout=max(grace_s, 5.0))
+    return len(victims)
+
+
+def _signal(p, sig) -> None:
+    import psutil
+    try:
+        p.send_signal(sig)
+    except psutil.Error:
+        pass
+
+
+def describe_exit(code: int) -> str:
+    """'exit status 3' or 'killed by SIGKILL' for a Popen return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback right now (for a rendezvous or a hub under test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DISTRIBUTED_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
+DISTRIBUTED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "GROUP_RANK", "ROLE_RANK")
+
+
+def scrub_env(env: dict | None = None) -> dict:
+    """The parent environment minus the distributed variables of an enclosing run (a notebook under srun)."""
+    env = dict(os.environ if env is None else env)
+    for key in list(env):
+        if (key.startswith(DISTRIBUTED_PREFIXES) or key in DISTRIBUTED_VARS) and key != "SLURM_CONF":
+            del env[key]
+    return env
+
+
+def redirect_output(path) -> None:
+    """Point this process's fds 1 and 2 at `path` (appending), so C++ output from gloo/NCCL/Horovod lands there too."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+# What a rank sees when *another* rank died (gloo, Horovod, NCCL, torch.distributed). A Run or a pool reports
+# such an error only when no root cause is found.
+PEER_FAILURE_PHRASES = ("Connection closed by peer", "Connection reset by peer", "Connection reset", "Broken pipe",
+                        "Horovod has been shut down", "Socket Timeout", "Connection refused",
+                        "NCCL communicator was aborted", "remote worker", "Read error")
+PEER_FAILURE_TYPES = frozenset({"HorovodInternalError", "DistNetworkError", "DistBackendError"})
+
+
+def is_peer_failure(exc: BaseException | str) -> bool:
+    """True when the error (an exception, or its message) is a communication failure caused by a peer."""
+    if isinstance(exc, BaseException):
+        if {cls.__name__ for cls in type(exc).__mro__} & PEER_FAILURE_TYPES:
+            return True
+        exc = str(exc)
+    return any(p in exc for p in PEER_FAILURE_PHRASES)
+
+
+__all__ = ["alive", "kill_processes", "describe_exit", "free_port", "scrub_env", "is_peer_failure", "redirect_output",
+           "PEER_FAILURE_PHRASES"]

@@ -1,0 +1,53 @@
+"""The one worker entry point every launcher starts, once per rank.
+
+    python -m scalelab.train.worker --spec runs/x/spec.json          # 1 process (rank 0 of 1)
+    torchrun --nproc-per-node 2 -m scalelab.train.worker --spec ...  # DDP, 2 ranks
+    horovodrun -np 2 --gloo python -m scalelab.train.worker --spec ... # Horovod over Gloo
+    mpirun -np 2 python -m scalelab.train.worker --spec ...           # Horovod over MPI (or DDP, env from Open MPI)
+    srun python -m scalelab.train.worker --spec ...                   # inside an sbatch job
+
+Rank and world come from the environment (scalelab.dist). A rank that fails writes an `error` event with
+its traceback and exits non-zero, so the launcher (and the Run handle) can name it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from ..run.procs import is_peer_failure, redirect_output
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank of the spec; returns the process exit status."""
+    parser = argparse.ArgumentParser(prog="python -m scalelab.train.worker", description="Run one rank of a RunSpec.")
+    parser.add_argument("--spec", default=os.environ.get("SCALELAB_SPEC", "spec.json"), help="RunSpec JSON/YAML file")
+    parser.add_argument("--log-dir", help="write this rank's stdout and stderr to LOG_DIR/rank-<r>.log")
+    args = parser.parse_args(argv)
+
+    from ..dist import rank_info
+    from ..run.events import EventWriter
+    from ..run.spec import load
+
+    spec = load(args.spec)
+    info = rank_info()
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        redirect_output(os.path.join(args.log_dir, f"rank-{info.rank}.log"))
+    events = EventWriter(spec.output_dir, info.rank)
+    try:
+        from .loop import train
+        train(spec, info, events)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - report every failure (even KeyboardInterrupt) before exiting
+        tb = traceback.format_exc()
+        events.emit("error", error=type(e).__name__, message=str(e), traceback=tb, peer_failure=is_peer_failure(e))
+        print(f"[rank {info.rank}] {tb}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        events.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
