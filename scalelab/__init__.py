@@ -21,15 +21,17 @@ import sys
 __version__ = "0.1.0"
 
 from .errors import ScalelabError  # noqa: E402
-# Bound eagerly (record.py imports nothing heavy): a lazy lookup would be shadowed by the submodule
-# `scalelab.record` as soon as anything imported it, and `from scalelab import record` would give the module.
+# Bound eagerly (neither imports anything heavy): a lazy lookup would be shadowed by the submodule
+# `scalelab.record` / the subpackage `scalelab.launch` as soon as anything imported them (scalelab.launch.chain,
+# for one), and `from scalelab import launch` would give the package instead of the function.
+from .launch import launch  # noqa: E402
 from .record import record  # noqa: E402
 
 # name -> the module that defines it (loaded on first use)
 _EXPORTS = {
     "RunSpec": "scalelab.run.spec", "preset": "scalelab.run.spec", "load_spec": "scalelab.run.spec",
     "PRESETS": "scalelab.run.spec",
-    "launch": "scalelab.launch", "Run": "scalelab.run.handle",
+    "Run": "scalelab.run.handle",
     "SpmdPool": "scalelab.launch.spmd", "run_spmd": "scalelab.launch.spmd",
     "submit_chain": "scalelab.launch.chain", "run_in_time_slices": "scalelab.launch.chain",
     "SpecError": "scalelab.errors", "LaunchError": "scalelab.errors", "RunFailed": "scalelab.errors",
@@ -91,4 +93,4 @@ class _LegacyAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if not any(isinstance(f, _LegacyAlias) for f in sys.meta_path):
     sys.meta_path.append(_LegacyAlias())
 
-__all__ = ["ScalelabError", "record", "__version__", *_EXPORTS]
+__all__ = ["ScalelabError", "launch", "record", "__version__", *_EXPORTS]

@@ -7,15 +7,17 @@ Everything is computed on call (never at import), so a test or a site that moves
     student_labs_dir()     where `scalelab labs release` writes student copies (build/student/labs)
     find_tool("mpirun")    an executable, looked up beside this Python first (the venv's bin), then on PATH
     require_tool("mpirun") the same, or a SetupError naming the command that installs it
+    read_beneath(base, rel, max_bytes)   a file someone else controls, read without following any link below base
 """
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 
-from .errors import ScalelabError, SetupError
+from .errors import ScalelabError, SetupError, UntrustedFileError
 
 
 def checkout_root() -> Path:
@@ -82,5 +84,43 @@ def require_tool(name: str, error: type[ScalelabError] = SetupError) -> str:
     return found
 
 
-__all__ = ["checkout_root", "labs_dir", "student_labs_dir", "hub_config_dir", "kernels_dir", "venv_bin",
+def read_beneath(base: str | Path, relpath: str | Path, max_bytes: int, *, tail: bool = False,
+                 single_link: bool = False) -> bytes:
+    """Bytes of `base`/`relpath` where whoever owns the folders below `base` may be hostile (a graded run, a
+    student's home read by a root hub): no symbolic link below `base` is followed, only a regular file is read,
+    never more than `max_bytes`. A bigger file is refused, or with `tail` its last `max_bytes` are read;
+    `single_link` refuses a file with other hard links (a link to a file elsewhere). UntrustedFileError otherwise."""
+    parts = Path(relpath).parts
+    if not parts or any(p in ("..", "/") for p in parts):
+        raise UntrustedFileError(f"bad relative path {relpath!r}")
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:  # a link (ENOTDIR/ELOOP), or missing
+                raise UntrustedFileError(f"{relpath}: {part}: {e.strerror}") from None
+            os.close(fd)
+            fd = nxt
+        try:  # O_NONBLOCK: a FIFO planted in the file's place must not hang the reader
+            ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as e:
+            raise UntrustedFileError(f"{relpath}: {e.strerror}") from None
+        with os.fdopen(ffd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise UntrustedFileError(f"{relpath}: not a regular file")
+            if single_link and info.st_nlink > 1:
+                raise UntrustedFileError(f"{relpath}: has {info.st_nlink} hard links; not read")
+            if info.st_size > max_bytes:
+                if not tail:
+                    raise UntrustedFileError(f"{relpath}: {info.st_size / 2**20:.1f} MiB, over the limit of "
+                                             f"{max_bytes / 2**20:.1f} MiB")
+                f.seek(info.st_size - max_bytes)
+            return f.read(max_bytes + 1)[:max_bytes]
+    finally:
+        os.close(fd)
+
+
+__all__ = ["read_beneath", "checkout_root", "labs_dir", "student_labs_dir", "hub_config_dir", "kernels_dir", "venv_bin",
            "find_tool", "require_tool", "INSTALL_HINTS"]

@@ -172,6 +172,18 @@ def test_the_facade_exports_what_notebooks_use():
     assert scalelab.preset("tiny").launcher == "local"
 
 
+def test_facade_functions_are_not_shadowed_by_subpackages_of_the_same_name():
+    # `from scalelab import launch` after something imported scalelab.launch.chain (lab 06 does, first) must still
+    # give the function: a fresh interpreter, in the lab's order.
+    import subprocess
+    import sys
+    code = ("from scalelab import run_in_time_slices, submit_chain\nfrom scalelab import launch, record\n"
+            "import scalelab.record, scalelab.launch.slurm\nfrom scalelab import launch as again\n"
+            "print(callable(launch), callable(record), callable(again), launch.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "True", "True", "scalelab.launch"]
+
+
 def test_modules_named_before_the_move_are_the_same_modules_now():
     # Student copies released before the wings import these; they must get the very modules that hold the code.
     import importlib

@@ -24,7 +24,7 @@ def test_course_values_fill_profiles_that_leave_them_empty():
 
 
 @pytest.mark.parametrize("text, seconds", [(90, 5400), ("90", 5400), ("1:30:00", 5400), ("2-01:00:00", 176400),
-                                           ("0:00:30", 30)])
+                                           ("0:01:30", 90)])
 def test_walltime_parsing(text, seconds):
     assert parse_walltime(text) == seconds
 
@@ -33,6 +33,32 @@ def test_walltime_parsing(text, seconds):
 def test_walltime_refuses_what_slurm_could_misread(bad):
     with pytest.raises(OptionError):
         parse_walltime(bad)
+
+
+@pytest.mark.parametrize("zero", ["0", 0, "00", "0:00:00", "00:00:00", "0-0:00:00", "0-00:00:00", "000-000:00:00",
+                                  "0:00:59", "0-00:00:30"])
+def test_every_spelling_of_no_time_is_refused(zero):
+    # Slurm reads --time=0 as no limit at all (TimeLimit=UNLIMITED): no form may get a zero or sub-minute limit past.
+    with pytest.raises(OptionError, match="at least 1 minute"):
+        parse_walltime(zero)
+
+
+@pytest.mark.parametrize("long", [44641, "44641", "31-00:00:01", "999-00:00:00", "744:00:01"])
+def test_every_spelling_of_too_much_time_is_refused(long):
+    with pytest.raises(OptionError, match="longer than 31 days"):
+        parse_walltime(long)
+
+
+@pytest.mark.parametrize("odd", ["²", "٣", "1:3O:00", "1-1-1:00:00", "1 :00:00", "9" * 10])
+def test_non_ascii_or_malformed_digits_are_refused_not_crashed_on(odd):
+    with pytest.raises(OptionError, match="not a duration"):
+        parse_walltime(odd)
+
+
+@pytest.mark.parametrize("zero", ["0:00:00", "0-0:00:00", "0"])
+def test_a_zero_walltime_is_refused_when_resolving_options(zero):
+    with pytest.raises(OptionError, match="at least 1 minute"):
+        resolve_options({"profile": "cpu-2h", "walltime": zero}, profiles())
 
 
 def test_format_walltime():

@@ -161,11 +161,6 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def wait_for_deletions() -> None:
-    """Block until retention's background deletions so far are done (tests, and before measuring disk use)."""
-    _DELETER.submit(lambda: None).result()
-
-
 def latest(directory) -> Path | None:
     """The newest checkpoint the manifest lists (only complete ones are ever listed), or None."""
     entries = read_manifest(directory)

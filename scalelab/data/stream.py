@@ -68,10 +68,6 @@ class ShardStream:
             x = np.frombuffer(view, dtype=self.ds.dtype)
         return x.reshape(len(members), *self.ds.shape), self.ds.labels[members]
 
-    def read_shard(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """All samples of shard `k` (x, y), from one sequential read."""
-        return self.read_window([k])
-
     def __iter__(self):
         rng = np.random.default_rng((self.seed, self.epoch, self.rank, 1))
         shards = self.my_shards()

@@ -1,7 +1,6 @@
-"""What every experiment needs: the engine's model, data and optimizer for a RunSpec, and a timer."""
+"""What every experiment needs: the engine's model, data and optimizer for a RunSpec (and a GPU sync for timers)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +67,3 @@ def sync(device: torch.device) -> None:
     """Wait for queued GPU work so a timer measures it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class Timer:
-    """Wall-clock seconds of a block: `with Timer() as t: ...; t.s`."""
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.s = time.perf_counter() - self.start

@@ -8,12 +8,10 @@ or executed), tolerating malformed parts, and with long texts cut before they ar
 from __future__ import annotations
 
 import json
-import os
-import stat
-from pathlib import Path
 from typing import Any
 
 from ..errors import UntrustedFileError
+from ..paths import read_beneath
 from ..record import MIME, decode_value
 
 MAX_NOTEBOOK_BYTES = 64 * 2**20
@@ -21,36 +19,6 @@ MAX_OUTPUT_CHARS = 20_000
 """Per output (stream text, text/plain, a traceback) in the stored notebook and in feedback."""
 MAX_RECORD_PAYLOAD_CHARS = 200_000
 TRUNCATED = "\n[... {n} characters cut by the grader ...]\n"
-
-
-def read_beneath(base: str | Path, relpath: str | Path, max_bytes: int) -> bytes:
-    """Bytes of `base`/`relpath`, following no symbolic link below `base`; at most `max_bytes`."""
-    parts = Path(relpath).parts
-    if not parts or any(p in ("..", "/") for p in parts):
-        raise UntrustedFileError(f"bad relative path {relpath!r}")
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for part in parts[:-1]:
-            try:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError as e:  # a link (ENOTDIR/ELOOP), or missing
-                raise UntrustedFileError(f"{relpath}: {part}: {e.strerror}") from None
-            os.close(fd)
-            fd = nxt
-        try:
-            ffd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-        except OSError as e:
-            raise UntrustedFileError(f"{relpath}: {e.strerror}") from None
-        with os.fdopen(ffd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise UntrustedFileError(f"{relpath}: not a regular file")
-            if info.st_size > max_bytes:
-                raise UntrustedFileError(f"{relpath}: {info.st_size / 2**20:.1f} MiB, over the grader's limit of "
-                                         f"{max_bytes / 2**20:.1f} MiB")
-            return f.read(max_bytes + 1)[:max_bytes]
-    finally:
-        os.close(fd)
 
 
 def load_json_beneath(base, relpath, max_bytes: int = MAX_NOTEBOOK_BYTES) -> Any:

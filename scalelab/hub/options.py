@@ -110,26 +110,30 @@ def profiles_from_settings(slurm: Mapping[str, Any]) -> list[Profile]:
     return out
 
 
+MIN_WALLTIME_S = 60
+MAX_WALLTIME_S = 31 * 24 * 3600  # no profile may ask more; Slurm reads 0 (and INFINITE) as no limit at all
+_WALLTIME_FORMS = "give minutes (e.g. 90), H:MM:SS (e.g. 1:30:00) or D-HH:MM:SS"
+
+
 def parse_walltime(value: Any) -> int:
-    """Seconds in a walltime: whole minutes (int or digits), 'H:MM:SS' or 'D-H:MM:SS'."""
-    if isinstance(value, bool):
-        raise OptionError(f"walltime {value!r} is not a duration; give minutes (e.g. 90) or H:MM:SS (e.g. 1:30:00)")
-    if isinstance(value, int):
-        minutes = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        minutes = int(value.strip())
-    elif isinstance(value, str):
-        m = re.fullmatch(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)", value.strip())
-        if not m:
-            raise OptionError(f"walltime {value!r} is not a duration; give minutes (e.g. 90) or H:MM:SS "
-                              "(e.g. 1:30:00)")
-        days, hours, mins, secs = (int(g or 0) for g in m.groups())
-        return ((days * 24 + hours) * 60 + mins) * 60 + secs
+    """Seconds in a walltime: whole minutes (int or digits), 'H:MM:SS' or 'D-H:MM:SS'; every form is held to the
+    same bounds (at least a minute, at most 31 days), so no spelling of zero reaches Slurm as "no limit"."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise OptionError(f"walltime {value!r} is not a duration; {_WALLTIME_FORMS}")
+    text = str(value).strip()
+    if re.fullmatch(r"[0-9]{1,9}", text):  # ASCII digits only: '²'.isdigit() is True, and int() refuses it
+        seconds = int(text) * 60
     else:
-        raise OptionError(f"walltime {value!r} is not a duration; give minutes (e.g. 90) or H:MM:SS (e.g. 1:30:00)")
-    if minutes <= 0:
+        m = re.fullmatch(r"(?:([0-9]{1,3})-)?([0-9]{1,3}):([0-5][0-9]):([0-5][0-9])", text)
+        if not m:
+            raise OptionError(f"walltime {value!r} is not a duration; {_WALLTIME_FORMS}")
+        days, hours, mins, secs = (int(g or 0) for g in m.groups())
+        seconds = ((days * 24 + hours) * 60 + mins) * 60 + secs
+    if seconds < MIN_WALLTIME_S:
         raise OptionError(f"walltime {value!r} must be at least 1 minute")
-    return minutes * 60
+    if seconds > MAX_WALLTIME_S:
+        raise OptionError(f"walltime {value!r} is longer than {MAX_WALLTIME_S // 86400} days; ask for less")
+    return seconds
 
 
 def format_walltime(seconds: int) -> str:

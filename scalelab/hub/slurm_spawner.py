@@ -29,6 +29,7 @@ from traitlets import Dict, Float, List, Unicode, default
 
 from ..cluster.slurm import job_phase
 from ..errors import SpawnFailed
+from ..paths import read_beneath
 from .api import install_port_handler
 from .batch import default_template_path, render_batch_script
 from .course_spawner import CourseSpawner
@@ -275,14 +276,23 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         log = self.job_log()
         tail = ""
         if log is not None:
-            try:
-                lines = log.read_text(errors="replace").splitlines()[-self.log_tail_lines:]
-                tail = "\n".join(lines)[-3000:]
-            except OSError as e:
-                tail = f"(could not read the log: {e})"
+            tail = self._log_tail(log)
         self.clear_state()
         return SpawnFailed(f"Your job {self.job_id or ''} ended ({state}) {what}. Its log is {log}; "
                            f"last lines:\n{tail or '(empty)'}")
+
+    def _log_tail(self, log: Path) -> str:
+        """The last lines of a job log in the student's home, read as the hub (root, at a site) may: no symbolic
+        link below the home is followed, no FIFO or device is opened, no file with other hard links is read, and
+        never more than 64 KiB (a student can plant any of those at the predictable path of a future job)."""
+        home = Path(self.course_home())
+        base = home if log.is_relative_to(home) else log.parent  # a log folder outside homes is the site's own
+        try:
+            data = read_beneath(base, log.relative_to(base), 64 * 1024, tail=True, single_link=True)
+        except (OSError, ValueError) as e:
+            return f"(could not read the log: {e})"
+        lines = data.decode("utf-8", errors="replace").splitlines()[-self.log_tail_lines:]
+        return "\n".join(lines)[-3000:]
 
     async def start(self):
         """Submit the job, wait in the queue, then for the port and for the server to listen; (host, port)."""
