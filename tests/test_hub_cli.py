@@ -40,6 +40,17 @@ def test_bad_settings_exit_1_with_the_fix(tmp_path, capsys):
     assert "unknown setting 'prot' (did you mean 'port'?)" in err
 
 
+def test_an_unsafe_posture_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"hub:\n  state_dir: {tmp_path / 'state'}\nservers:\n  run_as: student-accounts\n")
+    monkeypatch.setattr(hubcli, "_preflight", lambda cfg: None)
+    monkeypatch.setattr(hubcli.os, "execve", lambda *a: pytest.fail("the hub must not start"))
+    assert main(["hub", "--config", str(cfg)]) == 1
+    assert "sign in as any existing Unix account" in capsys.readouterr().err
+    assert main(["hub", "--config", str(cfg), "--check"]) == 1
+    assert "UNSAFE: auth.type: shared-password" in capsys.readouterr().err
+
+
 class FakeCluster:
     started = 0
 
@@ -81,7 +92,7 @@ def test_missing_proxy_says_how_to_install_it(monkeypatch):
 
 def test_run_hub_prints_how_to_log_in_and_execs_jupyterhub(tmp_path, monkeypatch, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"hub:\n  state_dir: {tmp_path / 'state'}\n  port: 8123\n")
+    cfg.write_text(f"hub:\n  state_dir: {tmp_path / 'state'}\n  port: 8123\nauth:\n  allowed_users: [ann, bob]\n")
     installed, execd = [], {}
     monkeypatch.setattr("scalelab.hub.kernels.install_kernels", lambda preset: installed.append(preset))
     monkeypatch.setattr(hubcli, "_preflight", lambda cfg: None)
@@ -90,7 +101,8 @@ def test_run_hub_prints_how_to_log_in_and_execs_jupyterhub(tmp_path, monkeypatch
     assert main(["hub", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     password = (tmp_path / "state" / "password").read_text().strip()
-    assert "http://127.0.0.1:8123/" in out and f"the password: {password}" in out
+    assert "http://127.0.0.1:8123/" in out and f"as one of ann, bob and the password: {password}" in out
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
     assert installed == ["local"]
     assert execd["argv"][1:4] == ["-m", "jupyterhub", "-f"] and execd["argv"][4].endswith("jupyterhub_config.py")
     assert execd["env"]["SCALELAB_HUB_SETTINGS"] == str(cfg)

@@ -18,7 +18,9 @@ def cfg(tmp_path):
     labs = tmp_path / "labs"
     (labs / "01_x").mkdir(parents=True)
     p = tmp_path / "c.yaml"
-    p.write_text(f"hub:\n  state_dir: {tmp_path / 'state'}\nlabs:\n  source: {labs}\n")
+    # hub-account, allowed as root: these tests are about the config, not about who runs servers (test_hub_posture)
+    p.write_text(f"hub:\n  state_dir: {tmp_path / 'state'}\nlabs:\n  source: {labs}\n"
+                 "servers:\n  run_as: hub-account\n  allow_root_servers: true\n")
     return load_settings(p)
 
 
@@ -55,7 +57,8 @@ def test_update_hub_uses_the_proxy_beside_the_course_python(cfg, tmp_path):
 def test_update_auth_shared_password_allows_anyone_with_it(cfg):
     c = Config()
     hubconf.update_auth(c, cfg, PASSWORDS)
-    assert c.JupyterHub.authenticator_class == "shared-password"
+    assert c.JupyterHub.authenticator_class == hubconf.AUTHENTICATOR  # shared password, throttled
+    assert {"root", "nobody"} <= c.Authenticator.blocked_users
     assert c.SharedPasswordAuthenticator.user_password == "user-password"
     assert "admin_password" not in c.SharedPasswordAuthenticator
     assert c.Authenticator.allow_all is True
@@ -190,10 +193,12 @@ def test_config_d_files_run_in_order(cfg, tmp_path):
 
 def test_jupyterhub_config_file_loads_with_a_bare_config(tmp_path, monkeypatch, cfg):
     p = tmp_path / "c2.yaml"
-    p.write_text(f"mode: slurm\nhub:\n  state_dir: {tmp_path / 'st'}\n")
+    p.write_text(f"mode: slurm\nhub:\n  state_dir: {tmp_path / 'st'}\nauth:\n  allowed_users: [ann, bob]\n")
     monkeypatch.setenv("SCALELAB_HUB_SETTINGS", str(p))
     c = Config()
     code = (hubconf.Path(__file__).resolve().parent.parent / "hub_config" / "jupyterhub_config.py").read_text()
     exec(compile(code, "jupyterhub_config.py", "exec"), {"get_config": lambda: c})
     assert c.JupyterHub.spawner_class == hubconf.SLURM_SPAWNER
     assert c.CourseSlurmSpawner.default_profile == "cpu-2h"
+    # run_as auto: course accounts on a root hub, the hub's account otherwise; never students' code as root
+    assert c.CourseSpawner.run_as == ("student-accounts" if os.geteuid() == 0 else "hub-account")

@@ -7,14 +7,16 @@
 #   sudo                         batchspawner's default exec_prefix is `sudo -E -u {username}`
 #   build-essential              the Horovod build (g++; its cmake < 4 comes from PyPI into the venv)
 #   git make                     the set-up itself
-# plus, only when missing: python3 python3-venv python3-dev (venv, Python headers), nodejs npm.
+#   python3 python3-venv python3-dev   Debian's Python: the venv is built from it when the default python3 sits
+#                                where students' accounts cannot run it (pyenv under /root; see ensure_venv.sh)
+# plus, only when missing: python3-venv / python3-dev for another PYTHON, nodejs npm.
 #
 # As root it runs `apt-get update` once and installs what is missing; as another user it prints the exact
 # command to run and fails. SCALELAB_DEBIAN_EXTRA="pkg ..." adds site-specific packages.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge chromium chromium-driver sudo
-          build-essential git make)
+          build-essential git make python3 python3-venv python3-dev)
 # shellcheck disable=SC2206  # word splitting is the point: a space-separated list of names
 PACKAGES+=(${SCALELAB_DEBIAN_EXTRA:-})
 

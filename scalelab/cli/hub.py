@@ -3,7 +3,8 @@
     scalelab hub                               # local mode from hub_config/course.yaml
     scalelab hub --mode slurm                  # the batch path; on one machine it starts the local Slurm
     scalelab hub --config my_course.toml       # another course settings file
-    scalelab hub --check                       # check the settings and say what would run; start nothing
+    scalelab hub --check                       # check the settings, print the security posture; start nothing
+                                               # (exit 1 when the posture is unsafe)
     scalelab kernels install [--preset local|cluster] [--user | --prefix DIR]
 """
 from __future__ import annotations
@@ -14,7 +15,10 @@ import sys
 from pathlib import Path
 
 from ..errors import SetupError
-from ..hub.settings import ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_settings_path, hub_config_dir, load_settings
+from ..hub.config import private_state_dir, refuse_unsafe
+from ..hub.posture import format_posture, problems, warnings, who_runs_servers
+from ..hub.settings import (ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_settings_path, hub_config_dir,
+                            load_settings)
 
 
 def add_cli(subparsers) -> None:
@@ -91,8 +95,10 @@ def _banner(cfg: dict, passwords: dict, cluster) -> str:
     lines = [f"scalelab hub: {cfg['course']['name']} — mode {cfg['mode']}",
              f"  open      {url}"]
     if cfg["auth"]["type"] == "shared-password":
-        lines.append(f"  log in    with any user name (lower-case letters, digits, - or _) and the password: "
-                     f"{passwords['user']}")
+        names = cfg["auth"]["allowed_users"]
+        who = (f"as one of {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}" if names
+               else "with any user name (lower-case letters, digits, - or _)")
+        lines.append(f"  log in    {who} and the password: {passwords['user']}")
         if passwords.get("admin"):
             lines.append(f"  admins    {', '.join(cfg['hub']['admin_users'])}: password in "
                          f"{Path(hub['state_dir']) / 'admin_password'} (or auth.admin_password)")
@@ -100,6 +106,7 @@ def _banner(cfg: dict, passwords: dict, cluster) -> str:
         lines.append("  log in    with your Unix account (PAM)")
     if cluster is not None:
         lines.append(f"  Slurm     local single-node cluster, SLURM_CONF={cfg['slurm']['conf']}")
+    lines.append(f"  servers   run as {who_runs_servers(cfg)}")
     lines.append(f"  state     {hub['state_dir']} (database, secrets, homes); stop with Ctrl-C")
     return "\n".join(lines)
 
@@ -136,7 +143,11 @@ def run_hub(args) -> int:
     _preflight(cfg)
     if args.check:
         print(json.dumps(cfg, indent=1))
-        return 0
+        print(f"security posture:\n{format_posture(cfg)}", file=sys.stderr)
+        return 1 if problems(cfg) else 0
+    refuse_unsafe(cfg)
+    for w in warnings(cfg):
+        print(f"scalelab hub: warning: {w}", file=sys.stderr)
     if cfg["labs"]["source"] == "auto":
         _release_course_labs()
     passwords = ensure_passwords(cfg)
@@ -150,10 +161,14 @@ def run_hub(args) -> int:
     env = dict(os.environ)
     env[ENV_SETTINGS] = str(Path(args.config).resolve()) if args.config else ""
     env[ENV_OVERRIDES] = json.dumps(overrides)
-    os.makedirs(cfg["hub"]["state_dir"], mode=0o700, exist_ok=True)
+    private_state_dir(cfg["hub"]["state_dir"])
     os.chdir(cfg["hub"]["state_dir"])  # anything JupyterHub writes beside itself lands in the state dir
     argv = [sys.executable, "-m", "jupyterhub", "-f", str(hub_config_dir() / "jupyterhub_config.py")]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
-    return 0  # not reached
+    old_umask = os.umask(0o077)  # the database, secrets and logs the hub creates: only its own account reads them
+    try:
+        os.execve(sys.executable, argv, env)
+    finally:  # reached only when execve failed (or in a test that stands in for it)
+        os.umask(old_umask)
+    return 0

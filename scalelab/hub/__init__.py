@@ -5,7 +5,9 @@
 - `options`    course profiles and the bounds on what a student may ask for; the spawn form
 - `batch`      the Slurm batch script, a pure function of the resolved request
 - `course_spawner`, `local_spawner`, `slurm_spawner`   the spawners (homes, labs, Slurm lifecycle, fixes)
-- `api`        the safe replacement of batchspawner's port callback
+- `api`        the safe replacement of batchspawner's port callback; a size bound on server requests
+- `posture`    who servers run as and who signs in: `run_as: auto`, unsafe combinations refused, `--check`'s table
+- `authenticator`  shared-password sign-in with throttling
 - `singleuser` the job-side wrapper that reports the port and starts JupyterLab
 - `provision`  handing the labs out without overwriting a student's work
 - `kernels`    the course kernel specs in kernels/

@@ -1,4 +1,5 @@
-"""A safe replacement for batchspawner's `POST /hub/api/batchspawner` handler.
+"""Hub API handlers the course replaces: batchspawner's `POST /hub/api/batchspawner`, and a size bound on the
+server routes (`install_body_limits`: user options are refused before JupyterHub stores or logs them).
 
 batchspawner's own handler (batchspawner/api.py) sets *any* spawner attribute named in the request body, and the
 token that authorises the call is the student's own server token, readable inside their job. With it a student can
@@ -12,7 +13,7 @@ import hmac
 import json
 
 from jupyterhub import apihandlers
-from jupyterhub.apihandlers import APIHandler
+from jupyterhub.apihandlers import APIHandler, users
 from tornado import web
 
 ROUTE = r"/api/batchspawner"
@@ -59,4 +60,28 @@ def install_port_handler(handlers: list | None = None) -> list:
     handlers = apihandlers.default_handlers if handlers is None else handlers
     handlers[:] = [h for h in handlers if h[0] != ROUTE]
     handlers.append((ROUTE, PortReportHandler))
+    return handlers
+
+
+#: Largest request body the hub accepts on a server route (user options, display name): checked before JupyterHub
+#: stores options in its database or writes them to its log.
+MAX_SERVER_BODY_BYTES = 4096
+
+
+class BoundedServerAPIHandler(users.UserServerAPIHandler):
+    """JupyterHub's start/stop/update-a-server API, refusing an oversized body before it is stored or logged."""
+
+    async def prepare(self):
+        size = len(self.request.body or b"")
+        if size > MAX_SERVER_BODY_BYTES:
+            raise web.HTTPError(413, f"request body of {size} bytes; a server request takes at most "
+                                     f"{MAX_SERVER_BODY_BYTES} (a profile name and a walltime)")
+        await super().prepare()
+
+
+def install_body_limits(handlers: list | None = None) -> list:
+    """Put BoundedServerAPIHandler in JupyterHub's API handler list in place of its server handler."""
+    handlers = apihandlers.default_handlers if handlers is None else handlers
+    handlers[:] = [(route, BoundedServerAPIHandler if cls is users.UserServerAPIHandler else cls, *rest)
+                   for route, cls, *rest in handlers]
     return handlers

@@ -14,10 +14,13 @@ from typing import Mapping
 
 from ..paths import find_tool
 from .options import profiles_from_settings
+from .posture import RESERVED_NAMES, problems, system_account
+from .settings import SettingsError
 from .provision import resolve_source
 
 LOCAL_SPAWNER = "scalelab.hub.local_spawner.CourseLocalSpawner"
 SLURM_SPAWNER = "scalelab.hub.slurm_spawner.CourseSlurmSpawner"
+AUTHENTICATOR = "scalelab.hub.authenticator.CourseSharedPasswordAuthenticator"
 #: Login names allowed: they become directory names, Slurm job names and (with PAM) Unix accounts.
 USERNAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
@@ -69,6 +72,8 @@ def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
     auth = cfg["auth"]
     c.Authenticator.admin_users = set(cfg["hub"]["admin_users"])
     c.Authenticator.username_pattern = USERNAME_PATTERN
+    # never a system account's name, whatever the list says (a course account is created from the login name)
+    c.Authenticator.blocked_users = system_account_names()
     if auth["allowed_users"]:
         c.Authenticator.allowed_users = set(auth["allowed_users"])
     else:
@@ -76,7 +81,12 @@ def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
     if auth["type"] == "pam":
         c.JupyterHub.authenticator_class = "pam"
         return
-    c.JupyterHub.authenticator_class = "shared-password"
+    c.JupyterHub.authenticator_class = AUTHENTICATOR
+    throttle = auth["throttle"]
+    c.CourseSharedPasswordAuthenticator.max_failures = throttle["failures_per_name"]
+    c.CourseSharedPasswordAuthenticator.max_address_failures = throttle["failures_per_address"]
+    c.CourseSharedPasswordAuthenticator.window_s = float(throttle["window_s"])
+    c.CourseSharedPasswordAuthenticator.lockout_s = float(throttle["lockout_s"])
     c.SharedPasswordAuthenticator.user_password = passwords["user"]
     if passwords.get("admin"):
         c.SharedPasswordAuthenticator.admin_password = passwords["admin"]
@@ -100,6 +110,8 @@ def update_servers(c, cfg: Mapping) -> None:
                              **servers["environment"]}
     sect = c.CourseSpawner  # shared by both course spawner classes
     sect.run_as = servers["run_as"]
+    sect.create_accounts = servers["create_accounts"]
+    sect.spawn_from_link = servers["spawn_from_link"]
     sect.home_template = servers["home"].replace("{state_dir}", cfg["hub"]["state_dir"])
     sect.python_bin = bindir
 
@@ -167,8 +179,10 @@ def update_culler(c, cfg: Mapping) -> None:
 
 
 def apply_settings(c, cfg: Mapping, passwords: Mapping | None = None) -> None:
-    """Create the state dir, then every update_* in order; passwords default to ensure_passwords(cfg)."""
-    os.makedirs(cfg["hub"]["state_dir"], mode=0o700, exist_ok=True)
+    """Refuse an unsafe posture, make the state dir private, then every update_* in order; passwords default to
+    ensure_passwords(cfg)."""
+    refuse_unsafe(cfg)
+    private_state_dir(cfg["hub"]["state_dir"])
     if passwords is None:
         from .auth import ensure_passwords
         passwords = ensure_passwords(cfg)
@@ -181,6 +195,32 @@ def apply_settings(c, cfg: Mapping, passwords: Mapping | None = None) -> None:
         update_local_spawner(c, cfg)
     update_labs(c, cfg)
     update_culler(c, cfg)
+
+
+def refuse_unsafe(cfg: Mapping) -> None:
+    """SettingsError listing every unsafe combination in `cfg` (`posture.problems`), each with its fix."""
+    unsafe = problems(cfg)
+    if unsafe:
+        raise SettingsError("unsafe course settings; the hub does not start (`scalelab hub --check` shows the "
+                            "posture):\n" + "\n".join(f"  - {p}" for p in unsafe))
+
+
+def private_state_dir(state_dir: str) -> None:
+    """The state dir (database, cookie secret, passwords, proxy token) exists and only the hub's account may enter
+    it, and a database left by an earlier start is 0600 (`scalelab hub` runs JupyterHub with umask 077, so what it
+    creates is private from the start)."""
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    for name in ("jupyterhub.sqlite", "jupyterhub_cookie_secret"):
+        path = Path(state_dir) / name
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o600)
+
+
+def system_account_names() -> set[str]:
+    """Every name that must never sign in: the reserved ones and this machine's system accounts."""
+    import pwd
+    return set(RESERVED_NAMES) | {p.pw_name for p in pwd.getpwall() if system_account(p.pw_name)}
 
 
 def load_config_d(c, cfg: Mapping) -> list[str]:

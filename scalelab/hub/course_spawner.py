@@ -8,21 +8,36 @@ Two ways to run a student's server (setting `servers.run_as`):
   apart by the hub (a server only accepts its owner), not by Unix permissions: right for a laptop, a demo, or a
   dedicated course VM. When that account is root the server is started with ``--allow-root``.
 - ``student-accounts``: each student is a Unix account (PAM login at a site) and the server runs as that account,
-  in its home; the Python environment must be readable by every student (e.g. on the shared filesystem).
+  in its home; the Python environment must be readable by every student (e.g. on the shared filesystem). With
+  ``create_accounts`` (one machine, a root hub: what ``run_as: auto`` picks there) the hub creates a course account
+  for each student at their first start, in group ``scalelab-students``, home 0700; it never runs a server as an
+  account it did not create, nor as a system account.
+
+A root hub refuses ``hub-account`` (students' code would run as root) unless ``allow_root_servers`` is set; see
+`scalelab.hub.posture`. A link that starts a server (GET /hub/spawn?profile=...) is refused unless
+``spawn_from_link``: only the form's POST, which carries the page's xsrf token, starts one.
 """
 from __future__ import annotations
 
 import asyncio
+import grp
 import os
 import pwd
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-from traitlets import Enum, List, Unicode, default
+from tornado import web
+from traitlets import Bool, Enum, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from ..errors import SpawnFailed
+from .api import install_body_limits
+from .posture import COURSE_GROUP, system_account
 from .provision import DEFAULT_EXCLUDE, provision_labs
+
+install_body_limits()
 
 
 class CourseSpawner(LoggingConfigurable):
@@ -40,6 +55,11 @@ class CourseSpawner(LoggingConfigurable):
     labs_where = Enum(["hub", "job"], "hub", help="hub: the hub copies the labs before the start; job: the "
                       "server's own process does, as the student (for root-squashed homes).").tag(config=True)
     python_bin = Unicode(help="Directory holding jupyterhub-singleuser and the course Python.").tag(config=True)
+    create_accounts = Bool(False, help="With student-accounts: create a course account (group scalelab-students, "
+                           "home 0700) at a student's first start; never use an account the hub did not create."
+                           ).tag(config=True)
+    spawn_from_link = Bool(False, help="Start a server from GET /hub/spawn with options in the query (a link on any "
+                           "site could); False: only the form's POST starts one.").tag(config=True)
 
     @default("python_bin")
     def _python_bin_default(self):
@@ -66,6 +86,42 @@ class CourseSpawner(LoggingConfigurable):
         """True when the server process will run as root (hub-account on a root hub)."""
         return self.run_as == "hub-account" and os.geteuid() == 0
 
+    def options_from_query(self, query_data):
+        """Options from a spawn link's query: refused unless spawn_from_link (the form POST is the way to start)."""
+        if not self.spawn_from_link:
+            raise web.HTTPError(400, "Starting a server from a link is turned off on this hub: choose your options "
+                                     "in the form below and press Start.")
+        return super().options_from_query(query_data)
+
+    def ensure_account(self) -> None:
+        """With create_accounts on a root hub: the student's course account, created at the first start. A system
+        account, or an account the hub did not create (not in group scalelab-students), is refused."""
+        if self.run_as != "student-accounts" or not self.create_accounts:
+            return
+        name = self.user.name
+        if system_account(name):
+            raise SpawnFailed(f"{name!r} is a system account's name: sign in under your own name")
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            pw = None
+        if pw is not None:
+            groups = {g.gr_name for g in grp.getgrall() if name in g.gr_mem}
+            if COURSE_GROUP not in groups and grp.getgrgid(pw.pw_gid).gr_name != COURSE_GROUP:
+                raise SpawnFailed(f"the name {name!r} belongs to an account on this machine that is not a course "
+                                  "account; ask your instructor for another name")
+            return
+        if os.geteuid() != 0:
+            raise SpawnFailed("servers.create_accounts needs a hub running as root; ask your instructor")
+        for argv in (["groupadd", "-f", "-r", COURSE_GROUP],
+                     ["useradd", "--create-home", "--shell", "/bin/bash", "--groups", COURSE_GROUP,
+                      "--comment", "scalelab course account", name]):
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if r.returncode:
+                raise SpawnFailed(f"could not create the course account {name!r}: {r.stderr.strip()[:300]}")
+        os.chmod(pwd.getpwnam(name).pw_dir, 0o700)  # classmates may not read each other's homes
+        self.log.info("Created course account %s (group %s)", name, COURSE_GROUP)
+
     def user_env(self, env):
         """USER, HOME and SHELL of the student, without requiring a Unix account in hub-account mode."""
         env["USER"] = self.user.name
@@ -90,11 +146,12 @@ class CourseSpawner(LoggingConfigurable):
 
     async def prepare_home(self, extra_dirs=()) -> None:
         """Create the student's directory (and `extra_dirs` in it) and hand the labs out when the hub does that."""
+        await asyncio.to_thread(self.ensure_account)
         home = self.course_home()
         dirs = [str(d) for d in (home, *extra_dirs)]
         if self.account_ids() is None:
-            for d in dirs:
-                await asyncio.to_thread(os.makedirs, d, 0o755, True)
+            for d in dirs:  # 0700: with hub-account, students' directories share one Unix account's files
+                await asyncio.to_thread(os.makedirs, d, 0o700, True)
         else:
             await self._run_as_student(["/bin/mkdir", "-p", *dirs], "creating directories")
         if not self.labs_source or self.labs_where != "hub":

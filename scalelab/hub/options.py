@@ -119,20 +119,20 @@ def parse_walltime(value: Any) -> int:
     """Seconds in a walltime: whole minutes (int or digits), 'H:MM:SS' or 'D-H:MM:SS'; every form is held to the
     same bounds (at least a minute, at most 31 days), so no spelling of zero reaches Slurm as "no limit"."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise OptionError(f"walltime {value!r} is not a duration; {_WALLTIME_FORMS}")
+        raise OptionError(f"walltime {_show(value)} is not a duration; {_WALLTIME_FORMS}")
     text = str(value).strip()
     if re.fullmatch(r"[0-9]{1,9}", text):  # ASCII digits only: '²'.isdigit() is True, and int() refuses it
         seconds = int(text) * 60
     else:
         m = re.fullmatch(r"(?:([0-9]{1,3})-)?([0-9]{1,3}):([0-5][0-9]):([0-5][0-9])", text)
         if not m:
-            raise OptionError(f"walltime {value!r} is not a duration; {_WALLTIME_FORMS}")
+            raise OptionError(f"walltime {_show(value)} is not a duration; {_WALLTIME_FORMS}")
         days, hours, mins, secs = (int(g or 0) for g in m.groups())
         seconds = ((days * 24 + hours) * 60 + mins) * 60 + secs
     if seconds < MIN_WALLTIME_S:
-        raise OptionError(f"walltime {value!r} must be at least 1 minute")
+        raise OptionError(f"walltime {_show(value)} must be at least 1 minute")
     if seconds > MAX_WALLTIME_S:
-        raise OptionError(f"walltime {value!r} is longer than {MAX_WALLTIME_S // 86400} days; ask for less")
+        raise OptionError(f"walltime {_show(value)} is longer than {MAX_WALLTIME_S // 86400} days; ask for less")
     return seconds
 
 
@@ -144,6 +144,15 @@ def format_walltime(seconds: int) -> str:
     if days:
         return f"{days}-{hours:02d}:{mins:02d}:{secs:02d}"
     return f"{hours}:{mins:02d}:{secs:02d}"
+
+
+MAX_OPTIONS_CHARS = 2048  # what a profile name and a walltime need, many times over
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """`value` as an error message quotes it: repr, cut to `limit` characters (a message never echoes a flood)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _single(value: Any) -> Any:
@@ -158,14 +167,17 @@ def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[P
     """The JobRequest for a student's user options, or OptionError saying what is not allowed."""
     profiles = {p.name: p for p in profiles}
     options = dict(user_options or {})
+    if len(repr(options)) > MAX_OPTIONS_CHARS:
+        raise OptionError(f"the options are {len(repr(options))} characters long; a server takes a 'profile' and "
+                          "optionally a 'walltime', nothing more")
     unknown = sorted(str(k) for k in options if k not in ALLOWED_OPTIONS)
     if unknown:
-        raise OptionError(f"option(s) {unknown} cannot be set; a server takes only 'profile' (one of "
+        raise OptionError(f"option(s) {_show(unknown, 120)} cannot be set; a server takes only 'profile' (one of "
                           f"{sorted(profiles)}) and optionally a shorter 'walltime'. Partition, GPUs, memory, "
                           "account and reservation come with the profile.")
     name = _single(options.get("profile")) or default_profile or next(iter(profiles), "")
     if not isinstance(name, str) or name not in profiles:
-        raise OptionError(f"profile {name!r} does not exist; choose one of {sorted(profiles)}")
+        raise OptionError(f"profile {_show(name)} does not exist; choose one of {sorted(profiles)}")
     if name in set(unavailable):
         raise OptionError(f"profile {name!r} is not available on this cluster (its partition "
                           f"{profiles[name].partition!r} does not exist); choose another")
@@ -181,6 +193,8 @@ def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[P
 def options_from_form(formdata: Mapping[str, list[str]]) -> dict:
     """Spawn-form data to user options: single values unpacked, an empty walltime and the page's own `_xsrf`
     field dropped (every other field still goes through `resolve_options`)."""
+    if len(repr(dict(formdata))) > MAX_OPTIONS_CHARS + 200:  # the page's xsrf token comes along
+        raise OptionError("the form sent more than a profile and a walltime; reload the page and try again")
     out = {key: _single(value) for key, value in formdata.items() if key != "_xsrf"}
     if out.get("walltime") in ("", None):
         out.pop("walltime", None)

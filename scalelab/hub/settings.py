@@ -90,7 +90,8 @@ def load_schema() -> dict:
 
 
 def load_settings(path: str | os.PathLike | None = None, overrides: Mapping | None = None) -> dict:
-    """Defaults, then the course file (default hub_config/course.yaml), then `overrides`; validated."""
+    """Defaults, then the course file (default hub_config/course.yaml), then `overrides`; validated, with
+    servers.run_as 'auto' resolved for this hub's account (`posture.resolve_run_as`)."""
     cfg = read_settings_file(hub_config_dir() / "course_defaults.yaml")
     if path is not None or default_settings_path().is_file():
         cfg = deep_merge(cfg, read_settings_file(path if path is not None else default_settings_path()))
@@ -98,7 +99,8 @@ def load_settings(path: str | os.PathLike | None = None, overrides: Mapping | No
         cfg = deep_merge(cfg, resolve_paths(dict(overrides), Path.cwd()))
     where = str(path) if path is not None else str(default_settings_path())
     validate_settings(cfg, where=where)
-    return cfg
+    from .posture import resolve_run_as
+    return resolve_run_as(cfg)
 
 
 def load_settings_from_env(environ: Mapping[str, str] | None = None) -> dict:
@@ -139,7 +141,8 @@ def cross_checks(cfg: Mapping) -> list[str]:
     auth = cfg.get("auth", {})
     if auth.get("password") and auth.get("password") == auth.get("admin_password"):
         problems.append("auth.admin_password: must differ from auth.password")
-    if cfg.get("servers", {}).get("run_as") == "hub-account" and "{username}" not in cfg["servers"].get("home", ""):
+    if cfg.get("servers", {}).get("run_as") in ("hub-account", "auto") \
+            and "{username}" not in cfg["servers"].get("home", ""):
         problems.append(f"servers.home: {cfg['servers'].get('home')!r} must contain {{username}} so that every "
                         "student gets their own directory, e.g. '{state_dir}/homes/{username}'")
     if cfg.get("slurm", {}).get("poll_max", 5) < cfg.get("slurm", {}).get("poll_min", 0.5):

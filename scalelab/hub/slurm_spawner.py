@@ -300,6 +300,7 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         if self.server:
             self.server.port = 0
         self._port_event = asyncio.Event()
+        await asyncio.to_thread(self.ensure_account)  # the log folder is in the account's home
         await self.prepare_home(extra_dirs=[self.log_dir()])
         await self.submit_batch_script()
         interval = self.poll_min

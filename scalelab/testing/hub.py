@@ -115,7 +115,10 @@ class HubRunner:
     """`scalelab hub --config <workdir>/course.yaml` on free ports, with a state dir and labs in `workdir`."""
 
     def __init__(self, workdir: str | os.PathLike, mode: str = "local", settings: dict | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, accounts: list[str] | None = None):
+        """`accounts`: short names of students who get course accounts (servers run as their own Unix accounts;
+        the hub must run as root). Without it servers run as the hub's account, and on a root test machine that
+        is allowed explicitly (servers.allow_root_servers), as the tests of other hub features need no accounts."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.mode = mode
@@ -131,6 +134,12 @@ class HubRunner:
             "culler": {"enabled": False},
             "labs": {"source": str(self.workdir / "labs")},
         }
+        self.accounts = [self.user(a) for a in accounts or []]
+        if self.accounts:
+            base["servers"] = {"run_as": "student-accounts", "create_accounts": True}
+            base["auth"]["allowed_users"] = list(self.accounts)
+        else:
+            base["servers"] = {"run_as": "hub-account", "allow_root_servers": os.geteuid() == 0}
         from ..hub.settings import deep_merge
         self.settings = deep_merge(base, settings or {})
         self.config_path = self.workdir / "course.yaml"
@@ -259,11 +268,14 @@ class HubRunner:
         return {**os.environ, **({"SLURM_CONF": conf} if conf else {})}
 
     def cleanup(self) -> None:
-        """Stop the hub, kill whatever of it is left, cancel this hub's jobs."""
+        """Stop the hub, kill whatever of it is left, cancel this hub's jobs, remove the course accounts it made."""
         self.stop()
         kill_processes(self._ours(), grace_s=5, tree=False)
         for job in self.jobs():
             subprocess.run(["scancel", job["id"]], env=self.slurm_env(), capture_output=True, timeout=30)
+        for name in self.accounts:
+            subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True, timeout=30)
+            subprocess.run(["userdel", "--remove", name], capture_output=True, timeout=60)
 
     def __enter__(self) -> "HubRunner":
         return self.start()

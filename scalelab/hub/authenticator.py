@@ -1,0 +1,73 @@
+"""Shared-password sign-in with throttling: JupyterHub's SharedPasswordAuthenticator, plus a limit on failures.
+
+Upstream a script may try passwords as fast as the hub answers (40 a second here) and then sign in with the right
+one. Here, `max_failures` failed sign-ins within `window_s` for one name, or `max_address_failures` from one
+address (higher: a classroom may share one address), lock that name or address for `lockout_s`: every attempt in
+that time is refused with 429 and a message saying how long to wait, the right password included. A success clears the name's count. Counts live in the hub's memory (a restart
+forgets them) and are pruned, so a flood of made-up names cannot grow them without bound.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
+from tornado import web
+from traitlets import Float, Integer
+
+MAX_TRACKED = 10_000  # names + addresses remembered at once
+
+
+class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
+    """SharedPasswordAuthenticator that locks a name or an address after repeated failures."""
+
+    max_failures = Integer(5, help="Failed sign-ins (per name and per address) within window_s before a lock."
+                           ).tag(config=True)
+    max_address_failures = Integer(50, help="Failed sign-ins from one address within window_s before a lock."
+                                   ).tag(config=True)
+    window_s = Float(60.0, help="Seconds over which failures are counted.").tag(config=True)
+    lockout_s = Float(60.0, help="Seconds a locked name or address is refused, whatever the password.").tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._failures: dict[tuple[str, str], deque] = {}
+        self._locked: dict[tuple[str, str], float] = {}
+
+    async def authenticate(self, handler, data):
+        """Refuse while locked; otherwise check the password and count a failure."""
+        now = time.monotonic()
+        keys = [("name", self.normalize_username(str(data.get("username", ""))[:64]))]
+        if handler is not None and getattr(handler, "request", None) is not None:
+            keys.append(("address", handler.request.remote_ip or ""))
+        for key in keys:
+            until = self._locked.get(key, 0.0)
+            if until > now:
+                self.log.warning("Sign-in refused: %s %r locked for %.0f s more", key[0], key[1], until - now)
+                raise web.HTTPError(429, f"Too many failed sign-ins for this {key[0]}: wait {until - now:.0f} s, "
+                                         "then try again (ask your instructor if you forgot the password)")
+        result = await super().authenticate(handler, data)
+        if result is None:
+            for key in keys:
+                self._fail(key, now)
+        else:
+            self._failures.pop(keys[0], None)
+        return result
+
+    def _fail(self, key: tuple[str, str], now: float) -> None:
+        if len(self._failures) >= MAX_TRACKED:
+            self._prune(now)
+        times = self._failures.setdefault(key, deque())
+        times.append(now)
+        while times and times[0] < now - self.window_s:
+            times.popleft()
+        if len(times) >= (self.max_failures if key[0] == "name" else self.max_address_failures):
+            self._locked[key] = now + self.lockout_s
+            times.clear()
+
+    def _prune(self, now: float) -> None:
+        for key in [k for k, t in self._failures.items() if not t or t[-1] < now - self.window_s]:
+            del self._failures[key]
+        for key in [k for k, until in self._locked.items() if until <= now]:
+            del self._locked[key]
+        while len(self._failures) >= MAX_TRACKED:  # all recent: forget the oldest
+            del self._failures[next(iter(self._failures))]

@@ -1,0 +1,141 @@
+"""The security posture of a course's settings: who students' code runs as, who may sign in, and what is unsafe.
+
+`scalelab hub` refuses to start on an unsafe posture and `scalelab hub --check` prints the table below, so an
+instructor sees before the first student does what a security review would ask:
+
+    mode              slurm
+    servers run as    each student's own Unix account (course accounts the hub creates)
+    sign-in           shared password, 30 names on the list
+    admins            instructor
+    spawn from a link off (form POST only)
+    state dir         /srv/hub (0700, only the hub's account)
+
+Unsafe combinations (each with the setting that fixes it) come from `problems()`; `resolve_run_as()` turns
+`servers.run_as: auto` into what this hub will really do.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+from typing import Mapping
+
+#: Login names that are never a student, whatever the roster says (system and service accounts).
+RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp",
+                            "proxy", "www-data", "backup", "list", "irc", "gnats", "nobody", "systemd-network",
+                            "systemd-resolve", "messagebus", "sshd", "slurm", "munge", "admin", "jupyter",
+                            "jupyterhub", "postgres", "mysql", "ubuntu", "debian"})
+#: Unix accounts below this uid are system accounts (Debian's FIRST_UID).
+FIRST_UID = 1000
+COURSE_GROUP = "scalelab-students"
+
+
+def resolve_run_as(cfg: dict, euid: int | None = None) -> dict:
+    """`cfg` with servers.run_as 'auto' made concrete: student-accounts with course accounts when the hub runs as
+    root (so no student code runs as root), hub-account otherwise. Changes `cfg` in place and returns it."""
+    euid = os.geteuid() if euid is None else euid
+    servers = cfg["servers"]
+    if servers.get("run_as") == "auto":
+        if euid == 0:
+            servers["run_as"], servers["create_accounts"] = "student-accounts", True
+        else:
+            servers["run_as"] = "hub-account"
+    return cfg
+
+
+def system_account(name: str) -> bool:
+    """True for a name that is reserved or belongs to an existing system account (uid < 1000, or nobody's)."""
+    if name in RESERVED_NAMES:
+        return True
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return False
+    return uid < FIRST_UID or uid >= 65534
+
+
+def problems(cfg: Mapping, euid: int | None = None) -> list[str]:
+    """What is unsafe in these (resolved) settings, each with the setting that fixes it; [] when none."""
+    euid = os.geteuid() if euid is None else euid
+    servers, auth = cfg["servers"], cfg["auth"]
+    out = []
+    if servers["run_as"] == "hub-account" and euid == 0 and not servers.get("allow_root_servers"):
+        out.append("servers.run_as: hub-account on a hub running as root runs every student's code as root: it could "
+                   "read the hub's secrets and database and every other student's files and tokens. Use run_as: "
+                   "student-accounts (with servers.create_accounts: true on a single machine), or run the hub as an "
+                   "unprivileged account; allow_root_servers: true only on a throwaway test machine")
+    if servers["run_as"] == "student-accounts" and auth["type"] == "shared-password" \
+            and not servers.get("create_accounts"):
+        out.append("auth.type: shared-password with servers.run_as: student-accounts would let anyone with the "
+                   "password sign in as any existing Unix account; use auth.type: pam, or servers.create_accounts: "
+                   "true (course accounts that exist only for the course)")
+    if servers["run_as"] == "student-accounts" and servers.get("create_accounts") and not auth["allowed_users"]:
+        out.append("auth.allowed_users: empty with servers.create_accounts: true would create a Unix account for "
+                   "any name anyone signs in with; list the students (auth.allowed_users)")
+    names = [*auth["allowed_users"], *cfg["hub"]["admin_users"]]
+    bad = sorted({n for n in names if system_account(n)})
+    if bad:
+        out.append(f"auth.allowed_users / hub.admin_users: {bad} are system account names; students and instructors "
+                   "sign in under names of their own")
+    return out
+
+
+def warnings(cfg: Mapping) -> list[str]:
+    """Weak but allowed choices, said at start and by --check."""
+    out = []
+    if cfg["auth"]["type"] == "shared-password" and not cfg["auth"]["allowed_users"]:
+        out.append("auth.allowed_users is empty: anyone with the shared password can sign in under any (non-system) "
+                   "name; list the students for a real class")
+    if cfg["servers"].get("allow_root_servers") and cfg["servers"]["run_as"] == "hub-account":
+        out.append("servers.allow_root_servers: students' servers may run as root (test machine only)")
+    if cfg["servers"].get("spawn_from_link"):
+        out.append("servers.spawn_from_link: a link on any site can start a server (and a Slurm job) for a "
+                   "signed-in student")
+    return out
+
+
+def who_runs_servers(cfg: Mapping, euid: int | None = None) -> str:
+    """The 'servers run as' line of the posture table."""
+    euid = os.geteuid() if euid is None else euid
+    if cfg["servers"]["run_as"] == "student-accounts":
+        made = " (course accounts the hub creates, group " + COURSE_GROUP + ")" if cfg["servers"].get(
+            "create_accounts") else ""
+        return "each student's own Unix account" + made
+    who = "root" if euid == 0 else pwd.getpwuid(euid).pw_name
+    return f"the hub's account ({who}), each student in their own directory"
+
+
+def posture(cfg: Mapping, euid: int | None = None) -> list[tuple[str, str]]:
+    """(what, setting) rows for `scalelab hub --check`."""
+    auth = cfg["auth"]
+    if auth["type"] == "pam":
+        sign_in = "PAM (Unix accounts)"
+    else:
+        listed = auth["allowed_users"]
+        sign_in = "shared password, " + (f"{len(listed)} names on the list" if listed else "any name (no list)")
+    state = cfg["hub"]["state_dir"]
+    try:
+        mode = f"{os.stat(state).st_mode & 0o777:04o}"
+    except OSError:
+        mode = "made 0700 at start"
+    return [
+        ("mode", cfg["mode"]),
+        ("servers run as", who_runs_servers(cfg, euid)),
+        ("sign-in", sign_in + ", throttled after failures"),
+        ("admins", ", ".join(cfg["hub"]["admin_users"]) or "none"),
+        ("spawn from a link", "on" if cfg["servers"].get("spawn_from_link") else "off (form POST only)"),
+        ("state dir", f"{state} ({mode})"),
+    ]
+
+
+def format_posture(cfg: Mapping, euid: int | None = None) -> str:
+    """The posture table, then problems and warnings, as text."""
+    rows = posture(cfg, euid)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"  {k:<{width}}  {v}" for k, v in rows]
+    lines += [f"  UNSAFE: {p}" for p in problems(cfg, euid)]
+    lines += [f"  warning: {w}" for w in warnings(cfg)]
+    return "\n".join(lines)
+
+
+__all__ = ["resolve_run_as", "problems", "warnings", "posture", "format_posture", "system_account",
+           "RESERVED_NAMES", "COURSE_GROUP"]

@@ -1,0 +1,193 @@
+"""No student code runs as root: on a root hub each student's server runs as a course account of their own, in
+local mode and on Slurm, and from that account nothing of the hub or of a classmate can be read.
+
+What a student's notebook can do is what their account can do, so each attack runs as that account (`runuser`),
+the way code in their kernel would. Each refusal is paired with a positive control (the same read of the student's
+own things succeeds), so a check cannot pass because the command itself was broken. Needs root.
+"""
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from scalelab.hub.posture import COURSE_GROUP
+from scalelab.testing.hub import HubRunner, slurm_settings
+
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+pytestmark = [pytest.mark.hub, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _root():
+    if os.geteuid() != 0:
+        (pytest.fail if CI else pytest.skip)("needs root: the hub creates course accounts and switches to them")
+
+
+@pytest.fixture(scope="module")
+def open_dir():
+    """A working folder other users may traverse (pytest's own tmp folders are root-only, which would hide the
+    hub's state dir from students whatever its own permissions): the state dir's 0700 must do the protecting."""
+    d = Path(tempfile.mkdtemp(prefix="hubiso-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def as_student(name: str, *argv: str) -> subprocess.CompletedProcess:
+    """Run `argv` as the student's account, as their notebook would."""
+    return subprocess.run(["runuser", "-u", name, "--", *argv], capture_output=True, text=True, timeout=60)
+
+
+def server_processes(hub: HubRunner, name: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if env.get("JUPYTERHUB_USER") == name and f":{hub.hub_port}/" in env.get("JUPYTERHUB_API_URL", ""):
+            found.append(p)
+    return found
+
+
+def start_servers(hub: HubRunner, shorts, options=None) -> dict:
+    users = {}
+    for short in shorts:
+        user = hub.login(short)
+        r = user.spawn(options=options)
+        assert r.status_code in (201, 202), (r.status_code, r.text, hub.log_tail())
+        user.wait_ready(timeout=120)
+        users[short] = user
+    return users
+
+
+def assert_isolated(hub: HubRunner, users: dict) -> None:
+    """Every server runs as its student's own course account; a student reads none of the hub's secrets and
+    nothing of a classmate (files, server environment, token)."""
+    alice, bob = users["alice"].name, users["bob"].name
+    for name in (alice, bob):
+        pw = pwd.getpwnam(name)
+        assert pw.pw_uid >= 1000, f"{name} is not a regular account"
+        assert name in grp.getgrnam(COURSE_GROUP).gr_mem
+        assert os.stat(pw.pw_dir).st_mode & 0o777 == 0o700
+        procs = server_processes(hub, name)
+        assert procs, f"no server process of {name} found"
+        assert {p.uids().real for p in procs} == {pw.pw_uid}, f"{name}'s server runs as {[p.uids() for p in procs]}"
+        assert as_student(name, "id", "-u").stdout.strip() == str(pw.pw_uid)
+    state = hub.workdir / "state"
+    assert state.stat().st_mode & 0o777 == 0o700
+    assert (state / "jupyterhub.sqlite").stat().st_mode & 0o077 == 0, "the hub database is readable by others"
+    for secret in ("jupyterhub_cookie_secret", "jupyterhub.sqlite", "password"):
+        r = as_student(alice, "cat", str(state / secret))
+        assert r.returncode != 0 and "Permission denied" in r.stderr, (secret, r.returncode, r.stdout[:80])
+    bob_server = server_processes(hub, bob)[0]
+    bob_token = bob_server.environ()["JUPYTERHUB_API_TOKEN"]
+    alice_uid = pwd.getpwnam(alice).pw_uid
+    hub_family = [p for p in psutil.Process(hub.proc.pid).children(True) if p.uids().real != alice_uid]
+    for target in [bob_server.pid, hub.proc.pid, *[p.pid for p in hub_family]]:
+        r = as_student(alice, "cat", f"/proc/{target}/environ")
+        assert r.returncode != 0 and bob_token not in r.stdout and "CONFIGPROXY_AUTH_TOKEN" not in r.stdout, target
+    r = as_student(alice, "ls", pwd.getpwnam(bob).pw_dir)
+    assert r.returncode != 0 and "Permission denied" in r.stderr
+    # positive controls: the same reads of her own things work
+    own = server_processes(hub, alice)[0].pid
+    assert "JUPYTERHUB_API_TOKEN" in as_student(alice, "cat", f"/proc/{own}/environ").stdout
+    assert as_student(alice, "ls", pwd.getpwnam(alice).pw_dir).returncode == 0
+    # bob's token does not open bob's server for alice, and alice's own token does not either
+    r = requests.get(f"{hub.url}/user/{bob}/api/status", headers={"Authorization": f"token {users['alice'].token}"},
+                     timeout=30, allow_redirects=False)
+    assert r.status_code == 403
+
+
+# -- local mode (what `make hub` runs as root) ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_hub(open_dir):
+    runner = HubRunner(open_dir / "local", mode="local", accounts=["alice", "bob", "carol"],
+                       settings={"auth": {"throttle": {"failures_per_name": 3, "lockout_s": 5}}})
+    os.chmod(runner.workdir, 0o755)
+    runner.start()
+    yield runner
+    runner.cleanup()
+
+
+def test_local_servers_run_as_course_accounts_and_cannot_read_the_hub_or_each_other(local_hub):
+    assert_isolated(local_hub, start_servers(local_hub, ("alice", "bob")))
+
+
+def login_status(hub: HubRunner, name: str, password: str) -> int:
+    s = requests.Session()
+    s.get(f"{hub.url}/hub/login", timeout=30)
+    r = s.post(f"{hub.url}/hub/login", data={"username": name, "password": password,
+                                             "_xsrf": s.cookies.get("_xsrf", "")}, allow_redirects=False, timeout=30)
+    return r.status_code
+
+
+def test_system_names_and_names_off_the_list_cannot_sign_in(local_hub):
+    for name in ("root", "nobody", "daemon", "slurm", local_hub.user("eve")):
+        assert login_status(local_hub, name, local_hub.password) == 403, name
+    with pytest.raises(KeyError):
+        pwd.getpwnam(local_hub.user("eve"))  # no account was made for a name off the list
+    assert login_status(local_hub, local_hub.user("carol"), local_hub.password) == 302  # the control
+
+
+def test_repeated_wrong_passwords_lock_the_name_then_the_lock_ends(local_hub):
+    import time
+    name = local_hub.user("carol")
+    assert [login_status(local_hub, name, "wrong") for _ in range(3)] == [403, 403, 403]
+    assert login_status(local_hub, name, local_hub.password) == 429, "locked: even the right password is refused"
+    time.sleep(5.5)
+    assert login_status(local_hub, name, local_hub.password) == 302
+
+
+def test_oversized_options_are_refused_before_they_are_stored_or_logged(local_hub):
+    user = local_hub.login("carol")
+    flood = "A" * 20_000
+    r = user.api("POST", f"/users/{user.name}/servers/big", json={"profile": flood})
+    assert r.status_code == 413 and flood not in r.text
+    assert "big" not in user.model().get("servers", {})
+    assert flood[:200] not in (local_hub.workdir / "hub.log").read_text(errors="replace")
+
+
+# -- slurm mode ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm_hub(open_dir, slurm_cluster):
+    profiles = [{"name": "cpu-1h", "display_name": "CPU, 1 h", "partition": "cpu", "cpus_per_task": 1,
+                 "memory": "1G", "walltime": "1:00:00"}]
+    settings = slurm_settings(slurm_cluster, "", profiles)
+    runner = HubRunner(open_dir / "slurm", mode="slurm", accounts=["alice", "bob"], settings=settings)
+    os.chmod(runner.workdir, 0o755)
+    runner.start()
+    yield runner
+    runner.cleanup()
+
+
+@pytest.mark.slurm
+def test_slurm_jobs_run_as_course_accounts_and_cannot_read_the_hub_or_each_other(slurm_hub):
+    users = start_servers(slurm_hub, ("alice", "bob"), options={"profile": "cpu-1h"})
+    jobs = {j["user"] for j in slurm_hub.jobs()}
+    assert jobs == {users["alice"].name, users["bob"].name}, f"jobs were submitted as {jobs}"
+    assert_isolated(slurm_hub, users)
+
+
+@pytest.mark.slurm
+def test_a_spawn_link_starts_no_job(slurm_hub):
+    user = slurm_hub.login("bob")
+    user.stop()
+    user.wait_gone(timeout=60)
+    before = {j["id"] for j in slurm_hub.jobs()}  # the stopped server's job may still be COMPLETING
+    r = user.session.get(f"{slurm_hub.url}/hub/spawn/{user.name}?profile=cpu-1h", timeout=30)
+    assert "turned off on this hub" in r.text
+    assert user.server_model() is None
+    assert [j for j in slurm_hub.jobs() if j["id"] not in before] == [], "a job was submitted from the link"

@@ -1,0 +1,173 @@
+"""The hub's security posture and the parts of it that need no running hub: run_as resolution, unsafe combinations
+refused with the setting that fixes them, sign-in throttling, spawn links, and job logs read without following a
+student's links."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from tornado import web
+
+from scalelab.hub.authenticator import CourseSharedPasswordAuthenticator
+from scalelab.hub.posture import format_posture, problems, resolve_run_as, system_account, warnings
+from scalelab.hub.settings import load_settings
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return load_settings(overrides={"hub": {"state_dir": str(tmp_path / "state")}})
+
+
+def settings(cfg, **servers):
+    out = copy.deepcopy(cfg)
+    out["servers"].update(servers)
+    return out
+
+
+def test_auto_gives_course_accounts_to_a_root_hub_and_the_hub_account_otherwise(cfg):
+    root = resolve_run_as(settings(cfg, run_as="auto"), euid=0)
+    assert root["servers"]["run_as"] == "student-accounts" and root["servers"]["create_accounts"] is True
+    user = resolve_run_as(settings(cfg, run_as="auto", create_accounts=False), euid=1000)
+    assert user["servers"]["run_as"] == "hub-account" and user["servers"]["create_accounts"] is False
+
+
+def test_hub_account_on_a_root_hub_is_refused_with_the_fix(cfg):
+    unsafe = problems(settings(cfg, run_as="hub-account"), euid=0)
+    assert len(unsafe) == 1 and "runs every student's code as root" in unsafe[0]
+    assert "student-accounts" in unsafe[0] and "create_accounts" in unsafe[0]
+    assert problems(settings(cfg, run_as="hub-account"), euid=1000) == []
+    allowed = settings(cfg, run_as="hub-account", allow_root_servers=True)
+    assert problems(allowed, euid=0) == [] and any("root" in w for w in warnings(allowed))
+
+
+def test_shared_password_never_reaches_real_unix_accounts(cfg):
+    pam_less = settings(cfg, run_as="student-accounts", create_accounts=False)
+    assert any("sign in as any existing Unix account" in p for p in problems(pam_less, euid=0))
+    pam = copy.deepcopy(pam_less)
+    pam["auth"]["type"] = "pam"
+    assert problems(pam, euid=0) == []
+
+
+def test_course_accounts_need_a_list_of_students_and_no_system_names(cfg):
+    made = settings(cfg, run_as="student-accounts", create_accounts=True)
+    made["auth"]["allowed_users"] = []
+    assert any("auth.allowed_users: empty" in p for p in problems(made, euid=0))
+    made["auth"]["allowed_users"] = ["alice", "root", "nobody"]
+    [bad] = problems(made, euid=0)
+    assert "['nobody', 'root'] are system account names" in bad
+    made["auth"]["allowed_users"] = ["alice", "bob"]
+    assert problems(made, euid=0) == []
+
+
+def test_system_names_are_recognised():
+    assert system_account("root") and system_account("nobody") and system_account("daemon")
+    assert not system_account("alice-not-a-user-here")
+
+
+def test_the_posture_table_says_who_runs_servers_and_who_signs_in(cfg):
+    made = settings(cfg, run_as="student-accounts", create_accounts=True)
+    made["auth"]["allowed_users"] = ["alice", "bob"]
+    text = format_posture(made, euid=0)
+    assert "each student's own Unix account (course accounts the hub creates" in text
+    assert "shared password, 2 names on the list" in text and "form POST only" in text
+    assert "UNSAFE" not in text
+    unsafe = format_posture(settings(cfg, run_as="hub-account"), euid=0)
+    assert "the hub's account (root)" in unsafe and "UNSAFE: servers.run_as: hub-account" in unsafe
+
+
+# -- sign-in throttling -------------------------------------------------------------------------------------------
+
+def _auth(**kw):
+    return CourseSharedPasswordAuthenticator(user_password="right-password-123", allow_all=True, **kw)
+
+
+def _handler(ip="10.9.8.7"):
+    return SimpleNamespace(request=SimpleNamespace(remote_ip=ip))
+
+
+def test_repeated_failures_lock_the_name_even_for_the_right_password():
+    auth = _auth(max_failures=3, lockout_s=30)
+    for _ in range(3):
+        assert asyncio.run(auth.authenticate(_handler(), {"username": "alice", "password": "guess"})) is None
+    with pytest.raises(web.HTTPError) as e:
+        asyncio.run(auth.authenticate(_handler("10.0.0.2"), {"username": "alice", "password": "right-password-123"}))
+    assert e.value.status_code == 429 and "wait" in e.value.log_message
+    # another name from another address is not affected
+    ok = asyncio.run(auth.authenticate(_handler("10.0.0.3"), {"username": "bob", "password": "right-password-123"}))
+    assert ok["name"] == "bob"
+
+
+def test_one_address_guessing_many_names_is_locked_too():
+    auth = _auth(max_failures=3, max_address_failures=3, lockout_s=30)
+    for name in ("a1", "a2", "a3"):
+        asyncio.run(auth.authenticate(_handler("10.1.1.1"), {"username": name, "password": "x"}))
+    with pytest.raises(web.HTTPError, match="for this address"):
+        asyncio.run(auth.authenticate(_handler("10.1.1.1"), {"username": "carol", "password": "right-password-123"}))
+
+
+def test_a_classroom_behind_one_address_survives_a_few_typos():
+    auth = _auth(max_failures=3, max_address_failures=50, lockout_s=30)
+    for i in range(10):  # ten students, one typo each
+        asyncio.run(auth.authenticate(_handler("10.2.2.2"), {"username": f"s{i}", "password": "typo"}))
+    assert asyncio.run(auth.authenticate(_handler("10.2.2.2"), {"username": "s0", "password": "right-password-123"}))
+
+
+def test_a_success_clears_the_count_and_locks_expire():
+    auth = _auth(max_failures=3, lockout_s=0.0)
+    for _ in range(2):
+        asyncio.run(auth.authenticate(_handler(), {"username": "dave", "password": "x"}))
+    assert asyncio.run(auth.authenticate(_handler(), {"username": "dave", "password": "right-password-123"}))
+    assert not auth._failures.get(("name", "dave"))
+
+
+# -- spawn links and job logs ----------------------------------------------------------------------------------
+
+def test_a_spawn_link_is_refused_unless_the_course_allows_it():
+    from scalelab.hub.local_spawner import CourseLocalSpawner
+    sp = CourseLocalSpawner(user=SimpleNamespace(name="alice"))
+    with pytest.raises(web.HTTPError, match="turned off"):
+        sp.options_from_query({"profile": ["gpu-node"]})
+    sp.spawn_from_link = True
+    assert sp.options_from_query({"x": ["1"]}) == {"x": ["1"]}  # upstream's handling, unchanged
+
+
+def _slurm_spawner(home: Path):
+    from scalelab.hub.slurm_spawner import CourseSlurmSpawner
+    sp = CourseSlurmSpawner(user=SimpleNamespace(name="alice"), home_template=str(home))
+    sp.job_id = "42"
+    return sp
+
+
+def test_a_job_log_symlink_planted_by_a_student_is_not_followed(tmp_path):
+    secret = tmp_path / "root-only"
+    secret.write_text("TOP-SECRET-hub-cookie")
+    home = tmp_path / "home"
+    sp = _slurm_spawner(home)
+    sp.log_dir().mkdir(parents=True)
+    os.symlink(secret, sp.job_log())
+    assert "TOP-SECRET" not in sp._log_tail(sp.job_log())
+    os.unlink(sp.job_log())
+    # a link on a folder of the path, a hard link and a FIFO are refused as well
+    os.link(secret, sp.job_log())
+    assert "TOP-SECRET" not in sp._log_tail(sp.job_log())
+    os.unlink(sp.job_log())
+    os.mkfifo(sp.job_log())
+    assert "not a regular file" in sp._log_tail(sp.job_log())
+    os.unlink(sp.job_log())
+    jobs = sp.log_dir()
+    os.rmdir(jobs)
+    os.symlink(tmp_path, jobs)
+    (tmp_path / sp.job_log().name).write_text("TOP-SECRET via a linked folder")
+    assert "TOP-SECRET" not in sp._log_tail(sp.job_log())
+
+
+def test_a_job_log_is_read_from_its_end_and_bounded(tmp_path):
+    sp = _slurm_spawner(tmp_path / "home")
+    sp.log_dir().mkdir(parents=True)
+    sp.job_log().write_text("x" * 1_000_000 + "\nlast line of the job\n")
+    tail = sp._log_tail(sp.job_log())
+    assert tail.endswith("last line of the job") and len(tail) <= 3000
