@@ -20,7 +20,7 @@ def cfg(tmp_path):
     p = tmp_path / "c.yaml"
     # hub-account, allowed as root: these tests are about the config, not about who runs servers (test_hub_posture)
     p.write_text(f"hub:\n  state_dir: {tmp_path / 'state'}\nlabs:\n  source: {labs}\n"
-                 "servers:\n  run_as: hub-account\n  allow_root_servers: true\n")
+                 "servers:\n  run_as: hub-account\n  allow_root_servers: true\nauth:\n  any_name: true\n")
     return load_settings(p)
 
 

@@ -159,6 +159,18 @@ def test_oversized_options_are_refused_before_they_are_stored_or_logged(local_hu
     assert flood[:200] not in (local_hub.workdir / "hub.log").read_text(errors="replace")
 
 
+def test_a_roster_signs_students_in_with_their_own_passwords_only(open_dir):
+    roster = open_dir / "class.csv"
+    roster.write_text("name,password\nann,ann-own-pass-1\nbob,\n")
+    roster.chmod(0o600)
+    hub = HubRunner(open_dir / "roster", settings={"auth": {"roster": str(roster), "any_name": False}})
+    with hub:
+        assert login_status(hub, "ann", "ann-own-pass-1") == 302
+        assert login_status(hub, "ann", hub.password) == 403  # the shared password is not hers
+        assert login_status(hub, "bob", hub.password) == 302  # no own password: the shared one
+        assert login_status(hub, "cy", hub.password) == 403  # not on the roster
+
+
 # -- slurm mode ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from tornado import web
 
 from scalelab.hub.authenticator import CourseSharedPasswordAuthenticator
 from scalelab.hub.posture import format_posture, problems, resolve_run_as, system_account, warnings
-from scalelab.hub.settings import load_settings
+from scalelab.hub.settings import SettingsError, load_settings, read_roster
 
 
 @pytest.fixture
@@ -171,3 +171,49 @@ def test_a_job_log_is_read_from_its_end_and_bounded(tmp_path):
     sp.job_log().write_text("x" * 1_000_000 + "\nlast line of the job\n")
     tail = sp._log_tail(sp.job_log())
     assert tail.endswith("last line of the job") and len(tail) <= 3000
+
+
+# -- the class list: allowed names, a roster with per-student passwords ------------------------------------------
+
+def test_an_empty_class_list_is_refused_unless_any_name_is_chosen(cfg):
+    open_ = settings(cfg, run_as="hub-account", create_accounts=False)
+    open_["auth"]["allowed_users"] = []
+    assert any("anyone with the shared password could sign in under any name" in p for p in problems(open_, euid=1000))
+    open_["auth"]["any_name"] = True
+    assert problems(open_, euid=1000) == [] and any("any_name" in w for w in warnings(open_))
+
+
+def test_a_roster_gives_per_student_passwords_and_adds_its_names(tmp_path):
+    roster = tmp_path / "class.csv"
+    roster.write_text("name,password\nann,ann-own-pass-1\n\nbob,\n")
+    roster.chmod(0o600)
+    course = tmp_path / "c.yaml"
+    course.write_text(f"hub:\n  state_dir: {tmp_path / 'st'}\nauth:\n  roster: class.csv\n  allowed_users: [cy]\n")
+    cfg = load_settings(course)
+    assert cfg["auth"]["roster"] == str(roster)  # relative to the settings file
+    assert cfg["auth"]["allowed_users"] == ["cy", "ann", "bob"]
+    assert read_roster(roster) == {"ann": "ann-own-pass-1", "bob": None}
+    assert "per-student passwords from the roster, 3 names" in format_posture(cfg, euid=1000)
+    roster.chmod(0o644)
+    assert any("chmod 600" in w for w in warnings(cfg))
+
+
+@pytest.mark.parametrize("text, words", [
+    ("Ann,pw-long-enough\n", "line 1: 'Ann' is not a login name"),
+    ("ann,short\n", "line 1: the password of 'ann' is shorter than 8"),
+    ("ann,\nbob,\nann,\n", "line 3: 'ann' is listed twice"),
+])
+def test_a_bad_roster_line_is_named(tmp_path, text, words):
+    roster = tmp_path / "r.csv"
+    roster.write_text(text)
+    with pytest.raises(SettingsError, match=words):
+        read_roster(roster)
+
+
+def test_a_student_with_an_own_password_cannot_use_the_shared_one():
+    auth = _auth(roster_passwords={"ann": "ann-own-pass-1"})
+    sign_in = lambda name, pw: asyncio.run(auth.authenticate(_handler(), {"username": name, "password": pw}))  # noqa: E731
+    assert sign_in("ann", "ann-own-pass-1")["name"] == "ann"
+    assert sign_in("ann", "right-password-123") is None  # the shared password is not hers
+    assert sign_in("bob", "ann-own-pass-1") is None  # nor is her password anyone else's
+    assert sign_in("bob", "right-password-123")["name"] == "bob"  # no own password: the shared one

@@ -1,4 +1,6 @@
-"""Shared-password sign-in with throttling: JupyterHub's SharedPasswordAuthenticator, plus a limit on failures.
+"""Shared-password sign-in with per-student passwords and throttling: JupyterHub's SharedPasswordAuthenticator,
+plus a roster (`roster_passwords`: a student listed with a password of their own signs in with that password only,
+never the shared one) and a limit on failures.
 
 Upstream a script may try passwords as fast as the hub answers (40 a second here) and then sign in with the right
 one. Here, `max_failures` failed sign-ins within `window_s` for one name, or `max_address_failures` from one
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from hmac import compare_digest
 
 from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
 from tornado import web
-from traitlets import Float, Integer
+from traitlets import Dict, Float, Integer
 
 MAX_TRACKED = 10_000  # names + addresses remembered at once
 
@@ -27,6 +30,9 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
                                    ).tag(config=True)
     window_s = Float(60.0, help="Seconds over which failures are counted.").tag(config=True)
     lockout_s = Float(60.0, help="Seconds a locked name or address is refused, whatever the password.").tag(config=True)
+
+    roster_passwords = Dict(help="Per-student passwords {name: password} from the course roster; those students "
+                            "sign in with their own password only.").tag(config=True)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -45,13 +51,21 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
                 self.log.warning("Sign-in refused: %s %r locked for %.0f s more", key[0], key[1], until - now)
                 raise web.HTTPError(429, f"Too many failed sign-ins for this {key[0]}: wait {until - now:.0f} s, "
                                          "then try again (ask your instructor if you forgot the password)")
-        result = await super().authenticate(handler, data)
+        result = await self._check_password(handler, data)
         if result is None:
             for key in keys:
                 self._fail(key, now)
         else:
             self._failures.pop(keys[0], None)
         return result
+
+    async def _check_password(self, handler, data):
+        name = self.normalize_username(str(data.get("username", "")))
+        own = self.roster_passwords.get(name)
+        if own and name not in self.admin_users:  # admins keep the admin password
+            ok = compare_digest(str(data.get("password", "")).encode(), own.encode())
+            return {"name": name, "admin": False, "groups": []} if ok else None
+        return await super().authenticate(handler, data)
 
     def _fail(self, key: tuple[str, str], now: float) -> None:
         if len(self._failures) >= MAX_TRACKED:

@@ -15,7 +15,7 @@ from typing import Mapping
 from ..paths import find_tool
 from .options import profiles_from_settings
 from .posture import RESERVED_NAMES, problems, system_account
-from .settings import SettingsError
+from .settings import SettingsError, read_roster
 from .provision import resolve_source
 
 LOCAL_SPAWNER = "scalelab.hub.local_spawner.CourseLocalSpawner"
@@ -87,6 +87,9 @@ def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
     c.CourseSharedPasswordAuthenticator.max_address_failures = throttle["failures_per_address"]
     c.CourseSharedPasswordAuthenticator.window_s = float(throttle["window_s"])
     c.CourseSharedPasswordAuthenticator.lockout_s = float(throttle["lockout_s"])
+    if auth["roster"]:
+        c.CourseSharedPasswordAuthenticator.roster_passwords = {
+            name: pw for name, pw in read_roster(auth["roster"]).items() if pw}
     c.SharedPasswordAuthenticator.user_password = passwords["user"]
     if passwords.get("admin"):
         c.SharedPasswordAuthenticator.admin_password = passwords["admin"]

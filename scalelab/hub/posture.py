@@ -71,6 +71,10 @@ def problems(cfg: Mapping, euid: int | None = None) -> list[str]:
     if servers["run_as"] == "student-accounts" and servers.get("create_accounts") and not auth["allowed_users"]:
         out.append("auth.allowed_users: empty with servers.create_accounts: true would create a Unix account for "
                    "any name anyone signs in with; list the students (auth.allowed_users)")
+    if auth["type"] == "shared-password" and not auth["allowed_users"] and not auth.get("any_name"):
+        out.append("auth.allowed_users: empty, so anyone with the shared password could sign in under any name; "
+                   "list the students (auth.allowed_users, or auth.roster for a CSV with per-student passwords), or "
+                   "set auth.any_name: true for a private try-out")
     names = [*auth["allowed_users"], *cfg["hub"]["admin_users"]]
     bad = sorted({n for n in names if system_account(n)})
     if bad:
@@ -83,8 +87,11 @@ def warnings(cfg: Mapping) -> list[str]:
     """Weak but allowed choices, said at start and by --check."""
     out = []
     if cfg["auth"]["type"] == "shared-password" and not cfg["auth"]["allowed_users"]:
-        out.append("auth.allowed_users is empty: anyone with the shared password can sign in under any (non-system) "
-                   "name; list the students for a real class")
+        out.append("auth.any_name: anyone with the shared password can sign in under any (non-system) name; list "
+                   "the students for a real class")
+    roster = cfg["auth"].get("roster")
+    if roster and os.path.exists(roster) and os.stat(roster).st_mode & 0o077:
+        out.append(f"auth.roster: {roster} holds passwords and other users can read it: chmod 600 it")
     if cfg["servers"].get("allow_root_servers") and cfg["servers"]["run_as"] == "hub-account":
         out.append("servers.allow_root_servers: students' servers may run as root (test machine only)")
     if cfg["servers"].get("spawn_from_link"):
@@ -111,7 +118,8 @@ def posture(cfg: Mapping, euid: int | None = None) -> list[tuple[str, str]]:
         sign_in = "PAM (Unix accounts)"
     else:
         listed = auth["allowed_users"]
-        sign_in = "shared password, " + (f"{len(listed)} names on the list" if listed else "any name (no list)")
+        sign_in = ("per-student passwords from the roster" if auth.get("roster") else "shared password") + ", " + (
+            f"{len(listed)} names on the list" if listed else "any name (no list)")
     state = cfg["hub"]["state_dir"]
     try:
         mode = f"{os.stat(state).st_mode & 0o777:04o}"

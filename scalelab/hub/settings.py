@@ -11,6 +11,7 @@ import copy
 import difflib
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Mapping
@@ -26,7 +27,7 @@ ENV_OVERRIDES = "SCALELAB_HUB_OVERRIDES"
 
 #: Settings holding a path that is resolved against the directory of the file setting it ("" and "auto" stay).
 PATH_KEYS = (("hub", "state_dir"), ("hub", "config_d"), ("labs", "source"), ("slurm", "conf"),
-             ("servers", "python_bin"))
+             ("servers", "python_bin"), ("auth", "roster"))
 
 
 class SettingsError(ScalelabError, ValueError):
@@ -99,8 +100,41 @@ def load_settings(path: str | os.PathLike | None = None, overrides: Mapping | No
         cfg = deep_merge(cfg, resolve_paths(dict(overrides), Path.cwd()))
     where = str(path) if path is not None else str(default_settings_path())
     validate_settings(cfg, where=where)
+    if cfg["auth"]["roster"]:  # the roster's names may sign in too
+        names = list(read_roster(cfg["auth"]["roster"]))
+        cfg["auth"]["allowed_users"] = list(dict.fromkeys([*cfg["auth"]["allowed_users"], *names]))
     from .posture import resolve_run_as
     return resolve_run_as(cfg)
+
+
+ROSTER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")  # the hub's login names (config.USERNAME_PATTERN)
+
+
+def read_roster(path: str | os.PathLike) -> dict[str, str | None]:
+    """{name: own password or None} from a roster CSV ("name,password" per line; a header line "name,..." and
+    blank lines are skipped). SettingsError naming the file and line for a bad name, a short password or a
+    name listed twice."""
+    import csv
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingsError(f"auth.roster: cannot read {path}: {e.strerror}; give a CSV of name,password lines")
+    roster: dict[str, str | None] = {}
+    for number, row in enumerate(csv.reader(text.splitlines()), 1):
+        cells = [c.strip() for c in row]
+        if not any(cells) or (number == 1 and cells[0].lower() == "name"):
+            continue
+        name, password = cells[0], (cells[1] if len(cells) > 1 and cells[1] else None)
+        if not ROSTER_NAME.match(name):
+            raise SettingsError(f"auth.roster: {path}, line {number}: {name[:40]!r} is not a login name (lower-case "
+                                "letters, digits, - or _, starting with a letter, at most 32)")
+        if name in roster:
+            raise SettingsError(f"auth.roster: {path}, line {number}: {name!r} is listed twice")
+        if password is not None and len(password) < 8:
+            raise SettingsError(f"auth.roster: {path}, line {number}: the password of {name!r} is shorter than 8 "
+                                "characters; give a longer one, or leave it empty for the shared password")
+        roster[name] = password
+    return roster
 
 
 def load_settings_from_env(environ: Mapping[str, str] | None = None) -> dict:
