@@ -84,6 +84,13 @@ def assert_isolated(hub: HubRunner, users: dict) -> None:
         assert procs, f"no server process of {name} found"
         assert {p.uids().real for p in procs} == {pw.pw_uid}, f"{name}'s server runs as {[p.uids() for p in procs]}"
         assert as_student(name, "id", "-u").stdout.strip() == str(pw.pw_uid)
+    for short, user in users.items():  # what the student's server writes (a notebook, a file) is theirs
+        r = requests.put(f"{hub.url}/user/{user.name}/api/contents/probe.txt", timeout=30,
+                         headers={"Authorization": f"token {user.token}"},
+                         json={"type": "file", "format": "text", "content": "written by the server"})
+        assert r.status_code in (200, 201), (r.status_code, r.text[:200])
+        written = Path(pwd.getpwnam(user.name).pw_dir) / "probe.txt"
+        assert written.stat().st_uid == pwd.getpwnam(user.name).pw_uid != 0
     state = hub.workdir / "state"
     assert state.stat().st_mode & 0o777 == 0o700
     assert (state / "jupyterhub.sqlite").stat().st_mode & 0o077 == 0, "the hub database is readable by others"
