@@ -63,17 +63,41 @@ def build_spec(args):
     return spec.with_overrides(args.overrides) if args.overrides else spec
 
 
+class _Ended(BaseException):
+    """SIGTERM or SIGHUP reached `scalelab run` (kill, a closed terminal, Slurm at the time limit, systemd)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_ended(signum, frame):
+    raise _Ended(signum)
+
+
 def run_command(args) -> int:
-    """Launch, follow with a progress bar (unless --json), print the summary; exit 1 when the run failed."""
+    """Launch, follow with a progress bar (unless --json), print the summary; exit 1 when the run failed.
+
+    Ctrl-C (SIGINT), SIGTERM and SIGHUP stop the run, every rank and Slurm job of it, and exit 128 + the signal;
+    a SIGKILL cannot be caught, so the launcher processes and ranks watch this one (`run.procs`) and end too."""
+    import signal
     from ..launch import launch
     spec = build_spec(args)
-    run = launch(spec)
+    previous = {sig: signal.signal(sig, _raise_ended) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    run = None
     try:
+        run = launch(spec)
         summary = _follow(run, args.timeout, quiet=args.json)
-    except KeyboardInterrupt:
-        run.stop()
-        print(f"stopped; run directory: {run.run_dir}", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, _Ended) as e:
+        signum = e.signum if isinstance(e, _Ended) else signal.SIGINT
+        if run is not None:
+            run.stop()
+        where = f"; run directory: {run.run_dir}" if run is not None else ""
+        print(f"stopped by {signal.Signals(signum).name}{where}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if args.json:
         print(json.dumps({k: _finite(summary.get(k)) for k in JSON_KEYS}))
     else:

@@ -14,7 +14,7 @@ from ..dist import threads_per_rank
 from ..errors import LaunchError
 from ..run.events import EventReader
 from ..run.handle import Run
-from ..run.procs import describe_exit, kill_processes
+from ..run.procs import describe_exit, dies_with_this_process, kill_processes
 
 
 def prepare_run_dir(spec):
@@ -80,10 +80,11 @@ class ProcessRun(Run):
 
 
 def start_process(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-    """Start `cmd` in its own session (so a stop reaches all it starts), output appended to `log_path`."""
+    """Start `cmd` in its own session (so a stop reaches all it starts), output appended to `log_path`; it gets
+    SIGTERM if this process dies (`dies_with_this_process`), so no launcher outlives a killed CLI or kernel."""
     with open(log_path, "ab") as log:
         try:
-            return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            return subprocess.Popen(dies_with_this_process(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         except FileNotFoundError as e:
             raise LaunchError(f"cannot start {cmd[0]}: {e.strerror}") from e

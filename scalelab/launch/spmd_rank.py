@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from ..errors import LaunchError
-from ..run.procs import is_peer_failure, redirect_output
+from ..run.procs import exit_with_parent, is_peer_failure, redirect_output
 
 POLL_S = 0.02
 
@@ -56,6 +56,7 @@ def _changed(module) -> bool:
 def rank_main(pool_dir: str) -> int:
     """One rank: join the group, then run job-<i>.json for i = 0, 1, ... until the pool says stop."""
     from ..dist import rank_info
+    exit_with_parent()  # also mid-job: the owner's check between jobs would not reach a rank stuck in one
     pool_dir = Path(pool_dir)
     conf = json.loads((pool_dir / "pool.json").read_text())
     info = rank_info()

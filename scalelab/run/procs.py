@@ -5,14 +5,21 @@
 - `scrub_env`: the environment minus an enclosing run's distributed variables.
 - `describe_exit`: 'exit status 3' or 'killed by SIGKILL'.
 - `is_peer_failure`: whether an error a rank saw was caused by *another* rank dying.
+- `dies_with_this_process` / `exit_with_parent`: a run never outlives what started it, whatever ends that (a
+  SIGKILL, a dead notebook kernel): a launcher process gets SIGTERM when its parent goes (the kernel's
+  PR_SET_PDEATHSIG, through util-linux's setpriv), and a rank watches its own parent and ends itself when it is
+  re-parented.
 
 psutil is imported when a function needs it, so importing this module stays cheap (the grader, the CLI).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import threading
+import time
 
 
 def alive(proc) -> bool:
@@ -56,6 +63,36 @@ def _signal(p, sig) -> None:
         p.send_signal(sig)
     except psutil.Error:
         pass
+
+
+def dies_with_this_process(cmd: list[str]) -> list[str]:
+    """`cmd` prefixed so that it gets SIGTERM when this process dies (setpriv --pdeathsig TERM).
+
+    Only from the main thread: the kernel sends the signal when the *thread* that started the child ends, and a
+    worker thread (a widget's sweep) may end long before the run. Elsewhere, or without setpriv, `cmd` as is."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return list(cmd)
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+
+
+def exit_with_parent(poll_s: float = 1.0, grace_s: float = 5.0) -> threading.Thread | None:
+    """End this process (SIGTERM to itself, then exit after `grace_s`) once its parent is gone: a rank whose
+    launcher, `scalelab run` or notebook kernel was killed is re-parented, and stops instead of training on."""
+    parent = os.getppid()
+    if parent == 1:
+        return None  # started by init (a daemon): nothing to watch
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def describe_exit(code: int) -> str:
@@ -117,5 +154,5 @@ def is_peer_failure(exc: BaseException | str) -> bool:
     return any(p in exc for p in PEER_FAILURE_PHRASES)
 
 
-__all__ = ["alive", "kill_processes", "describe_exit", "free_port", "scrub_env", "is_peer_failure", "redirect_output",
+__all__ = ["alive", "kill_processes", "dies_with_this_process", "exit_with_parent", "describe_exit", "free_port", "scrub_env", "is_peer_failure", "redirect_output",
            "PEER_FAILURE_PHRASES"]

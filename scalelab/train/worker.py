@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from ..run.procs import is_peer_failure, redirect_output
+from ..run.procs import exit_with_parent, is_peer_failure, redirect_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", default=os.environ.get("SCALELAB_SPEC", "spec.json"), help="RunSpec JSON/YAML file")
     parser.add_argument("--log-dir", help="write this rank's stdout and stderr to LOG_DIR/rank-<r>.log")
     args = parser.parse_args(argv)
+    exit_with_parent()  # a rank never trains on after its launcher, `scalelab run` or kernel is gone
 
     from ..dist import rank_info
     from ..run.events import EventWriter
