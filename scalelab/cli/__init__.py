@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import ScalelabError
@@ -48,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ScalelabError as e:
         print(f"scalelab {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a path the user gave that cannot be read or written: one line, not a traceback
+        if os.environ.get("SCALELAB_DEBUG"):
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"scalelab {args.command}: error:{where}: {e.strerror or e}; check the paths given on the command "
+              "line (--out, --prefix, --state-dir, ...); SCALELAB_DEBUG=1 shows the traceback", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from ..errors import RunFailed, ScalelabError
 
@@ -31,7 +32,12 @@ def add_cli(subparsers) -> None:
                    help="how ranks start (default: local for ddp, horovodrun for horovod)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any field, e.g. --set optim.lr=0.1 --set data.samples=2048 (repeatable)")
-    p.add_argument("--out", help="run directory (output_dir); default runs/<name>-<time>")
+    p.add_argument("--out", help="run directory (output_dir); default runs/<name>-<time>-<pid>, always a new one")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="--out holds an earlier run: continue it from its newest checkpoint")
+    again.add_argument("--overwrite", action="store_true",
+                       help="--out holds an earlier run: delete its files and start again")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     p.set_defaults(func=run_command)
@@ -59,6 +65,8 @@ def build_spec(args):
         changes["launcher"] = args.launcher
     if args.out:
         changes["output_dir"] = args.out
+    if getattr(args, "resume", False):
+        changes["checkpoint.resume"] = True
     spec = spec.with_overrides(changes)
     return spec.with_overrides(args.overrides) if args.overrides else spec
 
@@ -83,6 +91,8 @@ def run_command(args) -> int:
     import signal
     from ..launch import launch
     spec = build_spec(args)
+    if spec.output_dir:
+        check_run_dir(Path(spec.output_dir), resume=args.resume, overwrite=args.overwrite)
     previous = {sig: signal.signal(sig, _raise_ended) for sig in (signal.SIGTERM, signal.SIGHUP)}
     run = None
     try:
@@ -103,6 +113,33 @@ def run_command(args) -> int:
     else:
         print(format_summary(summary))
     return 0 if summary["status"] == "succeeded" else 1
+
+
+RUN_FILES = ("spec.json", "events", "logs", "checkpoints", "model.pt", "job.sh", "job_id")
+
+
+def check_run_dir(run_dir: Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse to start a second run in a folder that holds one (their events would merge into the same files):
+    --resume continues it, --overwrite deletes the earlier run's files first (only a run's, never other files)."""
+    if not run_dir.exists():
+        if resume:
+            raise ScalelabError(f"--resume: {run_dir} does not exist; there is no run to continue")
+        return
+    if not run_dir.is_dir():
+        raise ScalelabError(f"--out {run_dir}: is a file, not a folder; choose another --out")
+    entries = {p.name for p in run_dir.iterdir()}
+    if not entries or resume:
+        return
+    if not (entries & {"spec.json", "events"}):
+        raise ScalelabError(f"--out {run_dir}: the folder is not empty and holds no run ({len(entries)} other "
+                            "entries); choose an empty or new folder")
+    if not overwrite:
+        raise ScalelabError(f"--out {run_dir}: holds an earlier run; pass --resume to continue it from its last "
+                            "checkpoint, --overwrite to replace it, or choose another --out")
+    import shutil
+    for name in entries & set(RUN_FILES):
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def _follow(run, timeout, quiet: bool) -> dict:

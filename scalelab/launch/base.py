@@ -23,9 +23,20 @@ def prepare_run_dir(spec):
     Returns (spec, run_dir, reader): the reader is positioned at the end of any earlier attempt's event files
     (a resume relaunches into the same directory), taken before a rank of this attempt can write.
     """
-    out = spec.output_dir or os.path.join("runs", f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000}")
-    run_dir = Path(out).resolve()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if spec.output_dir:
+        run_dir = Path(spec.output_dir).resolve()
+    else:  # a fresh folder: two runs started in the same second by one process must not share it
+        stem = Path("runs", f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}").resolve()
+        run_dir, n = stem, 1
+        while run_dir.exists():
+            n += 1
+            run_dir = stem.with_name(f"{stem.name}-{n}")
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LaunchError(f"output_dir (--out) {str(run_dir)!r}: cannot create the run directory there: "
+                          f"{e.strerror}; choose a folder you can write, or leave it unset for runs/<name>-<time>"
+                          ) from None
     spec = spec.replace(output_dir=str(run_dir))
     spec.save(run_dir / "spec.json")
     return spec, run_dir, EventReader(run_dir, from_now=True)
