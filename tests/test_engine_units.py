@@ -127,7 +127,8 @@ def _cli(*args, timeout=180):
 def test_cli_run_json_prints_the_summary(tmp_path):
     r = _cli("run", "--preset", "tiny", "--workers", "2", "--strategy", "ddp", "--json", "--out", str(tmp_path / "r"))
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout)
+    summary = json.loads(r.stdout.splitlines()[-1])  # the JSON is the last line of stdout
+    assert "20/20" in r.stderr  # and progress went to stderr all the same
     assert {"status", "world_size", "samples_per_s", "steps", "final_loss"} <= summary.keys()
     assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["steps"] == 20
     assert summary["samples_per_s"] > 0

@@ -39,7 +39,8 @@ def add_cli(subparsers) -> None:
     again.add_argument("--overwrite", action="store_true",
                        help="--out holds an earlier run: delete its files and start again")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object (the last line of "
+                   "stdout; progress still goes to stderr)")
     p.set_defaults(func=run_command)
 
 
@@ -97,7 +98,7 @@ def run_command(args) -> int:
     run = None
     try:
         run = launch(spec)
-        summary = _follow(run, args.timeout, quiet=args.json)
+        summary = _follow(run, args.timeout)
     except (KeyboardInterrupt, _Ended) as e:
         signum = e.signum if isinstance(e, _Ended) else signal.SIGINT
         if run is not None:
@@ -142,11 +143,13 @@ def check_run_dir(run_dir: Path, resume: bool = False, overwrite: bool = False) 
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
-def _follow(run, timeout, quiet: bool) -> dict:
+def _follow(run, timeout) -> dict:
     from tqdm import tqdm
     total = run.spec.steps if not run.spec.epochs else None
-    bar = None if quiet else tqdm(total=total, unit="step", desc=f"{run.spec.name} [{run.launcher}]",
-                                  dynamic_ncols=True, file=sys.stderr)
+    # progress goes to stderr even with --json (its JSON stays the last line of stdout); less often when stderr is a
+    # log file, not a terminal
+    bar = tqdm(total=total, unit="step", desc=f"{run.spec.name} [{run.launcher}]", dynamic_ncols=True,
+               file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 10.0)
     deadline = None if timeout is None else time.monotonic() + timeout
     seen, done = 0, 0
     while run.poll() in ("pending", "running"):
@@ -155,13 +158,11 @@ def _follow(run, timeout, quiet: bool) -> dict:
             break
         new = run.events(seen)
         seen += len(new)
-        if bar is not None:
-            _advance(bar, new, done)
-            done = bar.n
+        _advance(bar, new, done)
+        done = bar.n
         time.sleep(0.2)
-    if bar is not None:
-        _advance(bar, run.events(seen), done)
-        bar.close()
+    _advance(bar, run.events(seen), done)
+    bar.close()
     try:
         return run.wait(check=True)
     except RunFailed:
