@@ -11,7 +11,7 @@ import torch
 from scalelab.ckpt import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from scalelab.dist import rank_info
 from scalelab.launch.slurm import batch_script
-from scalelab.run.metrics import scaling_efficiency, summarize
+from scalelab.run.metrics import exclusive_fractions, scaling_efficiency, summarize
 from scalelab.run.spec import preset
 
 
@@ -72,6 +72,17 @@ def test_summary_skips_warmup_steps_and_adds_rank_throughputs():
     assert s["final_loss"] == 0.5 and s["steps"] == 10 and s["eval_accuracy"] == 0.9
     # 18 measured steps with 1 ms of data wait each, over 9 x 10 ms + 9 x 20 ms of step time
     assert s["time_fraction"]["data"] == pytest.approx(18 * 0.001 / (9 * 0.01 + 9 * 0.02))
+    assert sum(s["time_fraction"].values()) == pytest.approx(1.0)
+    assert s["comm_in_flight"] == pytest.approx(18 * 0.002 / (9 * 0.01 + 9 * 0.02))
+
+
+def test_time_fractions_add_up_to_one_when_ddp_comm_overlaps_compute():
+    # DDP: compute 9 ms of a 10 ms step already contains a 4 ms bucket all-reduce that ran alongside backward
+    f = exclusive_fractions({"step_s": 0.010, "data_s": 0.001, "compute_s": 0.009, "comm_s": 0.004})
+    assert f == pytest.approx({"data": 0.1, "compute": 0.5, "comm": 0.4, "other": 0.0})
+    # Horovod: comm timed apart; 1 ms no timer covered
+    f = exclusive_fractions({"step_s": 0.010, "data_s": 0.001, "compute_s": 0.006, "comm_s": 0.002})
+    assert f == pytest.approx({"data": 0.1, "compute": 0.6, "comm": 0.2, "other": 0.1})
 
 
 def test_scaling_efficiency():

@@ -16,7 +16,8 @@ from pathlib import Path
 from ..errors import RunFailed, ScalelabError
 
 JSON_KEYS = ("status", "world_size", "samples_per_s", "steps", "final_loss", "eval_accuracy", "strategy",
-             "launcher", "elapsed_s", "per_rank_samples_per_s", "time_fraction", "run_dir", "error", "failed_rank")
+             "launcher", "elapsed_s", "per_rank_samples_per_s", "time_fraction", "comm_in_flight", "run_dir", "error",
+             "failed_rank")
 
 
 def add_cli(subparsers) -> None:
@@ -197,7 +198,9 @@ def format_summary(s: dict) -> str:
             ("eval accuracy", f"{s['eval_accuracy']:.3f}" if _num(s.get("eval_accuracy")) else "-"),
             ("samples/s (all ranks)", f"{s['samples_per_s']:.1f}"),
             ("samples/s per rank", ", ".join(f"{r:.1f}" for r in s["per_rank_samples_per_s"])),
-            ("time: data / compute / comm", " / ".join(f"{frac.get(k, 0):.0%}" for k in ("data", "compute", "comm"))),
+            ("time: data / compute / comm / other",
+             " / ".join(f"{frac.get(k, 0):.0%}" for k in ("data", "compute", "comm", "other")) + "  (adds to 100 %)"),
+            ("all-reduce in flight", f"{s.get('comm_in_flight', 0):.0%} of step time (DDP: overlapping backward)"),
             ("elapsed", f"{s['elapsed_s']:.1f} s"), ("run directory", s["run_dir"])]
     if s.get("error"):
         rows.append(("error", s["error"]))

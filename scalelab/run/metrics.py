@@ -34,7 +34,6 @@ def summarize(events, world_size: int) -> dict:
             totals[key] += sum(s[key] for s in measured)
     main = by_rank.get(0) or next(iter(by_rank.values()), [])
     final_loss = ends[0]["final_loss"] if 0 in ends else (main[-1]["loss"] if main else math.nan)
-    step_total = totals["step_s"] or 1.0
     return {
         "world_size": world_size,
         "steps": main[-1]["step"] if main else 0,
@@ -42,9 +41,30 @@ def summarize(events, world_size: int) -> dict:
         "samples_per_s": sum(rates.values()),
         "per_rank_samples_per_s": [rates.get(r, 0.0) for r in range(world_size)],
         "eval_accuracy": ends[0].get("eval_accuracy") if 0 in ends else None,
-        "time_fraction": {k[:-2]: totals[k] / step_total for k in ("data_s", "compute_s", "comm_s")},
+        "time_fraction": exclusive_fractions(totals),
+        "comm_in_flight": totals["comm_s"] / totals["step_s"] if totals["step_s"] else 0.0,
         "loss_curve": [s["loss"] for s in main],
     }
+
+
+def exclusive_fractions(totals: dict) -> dict:
+    """Where step time went, as shares that add up to 1: data (waiting for the loader), compute, comm (exposed
+    communication: time a step waited for its all-reduce), other (what no timer covered).
+
+    Horovod's loop times communication apart from compute. DDP's all-reduce runs in buckets while backward is still
+    computing, and its timer spans each bucket from launch to completion: there the in-flight time overlaps
+    compute (`comm_in_flight` in the summary reports it apart), and comm here is taken out of compute as an
+    upper bound of the exposed part."""
+    step = totals.get("step_s", 0.0)
+    if step <= 0:
+        return {"data": 0.0, "compute": 0.0, "comm": 0.0, "other": 0.0}
+    data, compute, comm = (max(totals.get(k, 0.0), 0.0) / step for k in ("data_s", "compute_s", "comm_s"))
+    if data + compute + comm > 1.0 + 1e-9:  # overlapped: the comm timer ran inside compute
+        compute = max(compute - comm, 0.0)
+    used = data + compute + comm
+    if used > 1.0:  # timer jitter: scale to the step time
+        data, compute, comm = data / used, compute / used, comm / used
+    return {"data": data, "compute": compute, "comm": comm, "other": max(1.0 - data - compute - comm, 0.0)}
 
 
 def scaling_efficiency(rate_n: float, rate_1: float, n: int) -> float:
