@@ -105,3 +105,22 @@ def test_a_corrupted_checkpoint_stops_the_resume_naming_the_file(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(RunFailed, match=r"step-00000005\.pt is corrupted"):
         launch(tiny(tmp_path, "c", workers=1, **{"steps": 12, "checkpoint.every_steps": 5})).wait(timeout=120)
+
+
+def test_time_slices_finish_on_a_busy_machine_by_widening_a_slice_that_made_no_progress(tmp_path):
+    # Lab 06 failed under load with fixed 10 s slices: start-up alone ate them. Here a slice far shorter than a
+    # rank's start-up, with the other core kept busy, must still end in a finished, resumed run.
+    import subprocess
+    import sys
+
+    from scalelab import run_in_time_slices
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        spec = tiny(tmp_path, "slices", workers=1, **{"steps": 30, "checkpoint.every_steps": 5,
+                                                       "checkpoint.resume": True})
+        attempts = run_in_time_slices(spec, limit_s=0.5, max_attempts=6)
+    finally:
+        burner.kill()
+    assert attempts[-1]["status"] == "succeeded" and attempts[-1]["last_step"] == 30
+    assert attempts[0]["last_step"] is None and attempts[1]["limit_s"] == 1.0  # no progress: the slice doubled
+    assert len(attempts) >= 2

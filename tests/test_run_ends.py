@@ -11,24 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from helpers import processes_of
 
 pytestmark = pytest.mark.slow
 
 STEPS = 100_000  # never finishes by itself: only a signal ends it
-
-
-def _procs_of(run_dir: Path) -> list[psutil.Process]:
-    """Live processes whose command line names the run directory (launcher, ranks), zombies excluded."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or ()):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
 
 
 def _wait_for_ranks(run_dir: Path, ranks: int, timeout: float = 120) -> None:
@@ -43,14 +32,14 @@ def _wait_for_ranks(run_dir: Path, ranks: int, timeout: float = 120) -> None:
     raise AssertionError(f"{ranks} ranks did not start stepping in {timeout} s under {run_dir}")
 
 
-def _gone_within(run_dir: Path, seconds: float) -> list[psutil.Process]:
+def _gone_within(run_dir: Path, seconds: float) -> list:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        left = _procs_of(run_dir)
+        left = processes_of(run_dir)
         if not left:
             return []
         time.sleep(0.25)
-    return _procs_of(run_dir)
+    return processes_of(run_dir)
 
 
 def _scalelab_run(run_dir: Path, launcher: str) -> subprocess.Popen:
@@ -78,7 +67,7 @@ def test_a_signal_to_scalelab_run_leaves_no_process_within_15_s(tmp_path, reques
     cli = _scalelab_run(run_dir, launcher)
     try:
         _wait_for_ranks(run_dir, 2)
-        assert len(_procs_of(run_dir)) >= 2
+        assert len(processes_of(run_dir)) >= 2
         cli.send_signal(sig)
         code = cli.wait(timeout=30)
         left = _gone_within(run_dir, 15)
@@ -87,7 +76,7 @@ def test_a_signal_to_scalelab_run_leaves_no_process_within_15_s(tmp_path, reques
             assert code == 128 + sig, (code, cli.stderr.read()[-500:])
             assert f"stopped by {sig.name}" in cli.stderr.read()
     finally:
-        for p in _procs_of(run_dir):
+        for p in processes_of(run_dir):
             p.kill()
         if cli.poll() is None:
             cli.kill()
@@ -107,7 +96,7 @@ def test_ranks_end_when_the_process_that_launched_them_is_killed(tmp_path):
         left = _gone_within(run_dir, 15)
         assert not left, f"ranks outlived the killed launcher: {[(p.pid, p.name()) for p in left]}"
     finally:
-        for p in _procs_of(run_dir):
+        for p in processes_of(run_dir):
             p.kill()
         if kernel.poll() is None:
             kernel.kill()

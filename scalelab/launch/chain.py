@@ -93,17 +93,21 @@ def submit_chain(spec, jobs: int = 2, time_limits: list[str] | None = None, env:
 def run_in_time_slices(spec, limit_s: float, max_attempts: int = 5) -> list[dict]:
     """Train `spec` with the local launcher in attempts of at most `limit_s` seconds each, every attempt
     resuming from the newest complete checkpoint, until one finishes. Returns one dict per attempt:
-    status (succeeded | stopped), start_step, resumed_from, last_step, elapsed_s."""
+    status (succeeded | stopped), start_step, resumed_from, last_step, elapsed_s, limit_s.
+
+    The slice adapts to the machine in the same run: an attempt that gets no further than the last one (on a busy
+    machine start-up alone can take the whole slice) doubles the slice for the next, and only `max_attempts`
+    such attempts in a row give up. Attempts that make progress go on until the run is done."""
     from . import launch
     if not (spec.checkpoint.every_steps and spec.checkpoint.resume):
         raise LaunchError("time slices need checkpoint.every_steps > 0 and checkpoint.resume = true")
-    attempts = []
-    for _ in range(max_attempts):
+    attempts, stalled, limit, reached = [], 0, float(limit_s), -1
+    while True:
         t0 = time.monotonic()
         run = launch(spec)
         spec = run.spec  # output_dir resolved by the first launch: later attempts reuse it
         try:
-            run.wait(timeout=limit_s)
+            run.wait(timeout=limit)
             status = "succeeded"
         except RunTimeout:
             run.stop()  # what a scheduler does at the time limit
@@ -111,13 +115,19 @@ def run_in_time_slices(spec, limit_s: float, max_attempts: int = 5) -> list[dict
         events = run.events()
         start = next((e for e in events if e["type"] == "start" and e["rank"] == 0), {})
         steps = [e["step"] for e in events if e["type"] == "step" and e["rank"] == 0]
+        last = max(steps, default=None)
         attempts.append({"status": status, "start_step": start.get("start_step"),
-                         "resumed_from": start.get("resumed_from"), "last_step": max(steps, default=None),
-                         "elapsed_s": time.monotonic() - t0, "run_dir": str(run.run_dir)})
+                         "resumed_from": start.get("resumed_from"), "last_step": last,
+                         "elapsed_s": time.monotonic() - t0, "run_dir": str(run.run_dir), "limit_s": limit})
         if status == "succeeded":
             return attempts
-    raise RunTimeout(f"{spec.name} did not finish in {max_attempts} attempts of {limit_s:g} s; raise limit_s, "
-                     "max_attempts, or checkpoint more often")
+        if last is not None and last > reached:
+            reached, stalled = last, 0
+        else:
+            stalled, limit = stalled + 1, limit * 2
+            if stalled >= max_attempts:
+                raise RunTimeout(f"{spec.name} made no progress in {max_attempts} attempts in a row (the last "
+                                 f"allowed {limit / 2:g} s); raise limit_s or checkpoint more often")
 
 
 __all__ = ["SlurmChain", "submit_chain", "run_in_time_slices"]
