@@ -100,3 +100,33 @@ def test_ranks_end_when_the_process_that_launched_them_is_killed(tmp_path):
             p.kill()
         if kernel.poll() is None:
             kernel.kill()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart"])
+def test_a_kernel_shutdown_or_restart_ends_a_running_launch_panels_run(tmp_path, how):
+    # A real Jupyter kernel runs the LaunchPanel as a lab cell does, then the student shuts the kernel down (a
+    # clean exit) or restarts it (JupyterLab kills it): the panel's ranks must not train on.
+    from jupyter_client.manager import start_new_kernel
+    run_root = tmp_path / "panel"
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        code = ("from scalelab.widgets import LaunchPanel\n"
+                f"panel = LaunchPanel(preset='tiny', out_dir={str(run_root)!r}, "
+                f"overrides={{'world.workers_per_node': 2, 'steps': {STEPS}}})\n"
+                "run = panel.launch()\nprint(run.run_dir)")
+        reply = kc.execute_interactive(code, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        [run_dir] = [p for p in run_root.iterdir() if p.is_dir()]
+        _wait_for_ranks(run_dir, 2)
+        if how == "shutdown":
+            km.shutdown_kernel(now=False)
+        else:
+            km.restart_kernel(now=True)
+        left = _gone_within(run_dir, 15)
+        assert not left, f"after a kernel {how}: still running {[(p.pid, p.name()) for p in left]}"
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        for p in processes_of(run_root):
+            p.kill()
