@@ -13,7 +13,8 @@ def add_cli(subparsers) -> None:
     """Add `scalelab cluster up|down|status [--json]`."""
     p = subparsers.add_parser("cluster", help="a real single-node Slurm on this machine (development and tests)",
                               description=local.__doc__.splitlines()[0])
-    p.add_argument("--state-dir", default=None, help="state directory (default: $SCALELAB_CLUSTER_DIR or "
+    p.add_argument("--state-dir", default=None, help="state directory (default: $SCALELAB_CLUSTER_DIR, else "
+                                                       "/var/lib/scalelab/cluster as root, else "
                                                        "~/.cache/scalelab/cluster)")
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     up = sub.add_parser("up", help="start munged, slurmctld and slurmd (no-op when up); prints `export SLURM_CONF=`")

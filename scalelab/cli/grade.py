@@ -10,6 +10,7 @@ import json
 import sys
 
 from ..course.lab import GradingError
+from ..paths import student_labs_dir
 
 
 def add_cli(subparsers) -> None:
@@ -22,7 +23,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("submissions", nargs="+", metavar="SUBMISSION",
                    help="<student>.ipynb, <student>/lab.ipynb or <student>/")
     g.add_argument("-j", "--jobs", type=int, default=1, help="submissions run at the same time (default 1)")
-    g.add_argument("--out", help="report folder (default build/grades/<lab>)")
+    g.add_argument("--out", help="report folder (default: build/grades/<lab> under the current folder)")
     g.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="grading parameter over lab.yaml's (VALUE read as JSON, else as text); repeatable")
     g.add_argument("--cell-timeout", type=float, metavar="S", help="per-cell limit (default: lab.yaml)")
@@ -44,7 +45,8 @@ def add_cli(subparsers) -> None:
                                            "hidden checks left out")
     r.add_argument("labs", nargs="*", metavar="LAB", help="lab names or folders (default: every lab)")
     r.add_argument("--labs-root", help="where the reference labs are (default: the repository's labs/)")
-    r.add_argument("--out", help="where the student copies go (default: build/student/labs/)")
+    r.add_argument("--out", help=f"where the student copies go (default: {student_labs_dir()}, where "
+                                 "`scalelab hub` hands them out from)")
     r.set_defaults(func=release_command)
     labs.set_defaults(func=lambda args: (labs.print_help(), 2)[1])
 

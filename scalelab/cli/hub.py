@@ -24,11 +24,13 @@ from ..hub.settings import (ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_set
 def add_cli(subparsers) -> None:
     """Add `scalelab hub` and `scalelab kernels`."""
     p = subparsers.add_parser("hub", help="start JupyterHub for the course (local processes or Slurm jobs)",
-                              description=__doc__.splitlines()[0])
+                              description="Start JupyterHub for the course (what `make hub` runs): students' "
+                                          "servers as local processes or Slurm jobs, from one settings file.")
     p.add_argument("--config", default=None, help=f"course settings file, YAML or TOML (default "
                                                    f"{default_settings_path()})")
     p.add_argument("--mode", choices=("local", "slurm"), default=None, help="override the settings' mode")
-    p.add_argument("--check", action="store_true", help="check the settings, print what would run, start nothing")
+    p.add_argument("--check", action="store_true", help="check the settings, print them and the security posture "
+                   "(who servers run as, who signs in); start nothing; exit 1 if the posture is unsafe")
     p.set_defaults(func=run_hub)
 
     k = subparsers.add_parser("kernels", help="the course Jupyter kernels")

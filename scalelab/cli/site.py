@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from ..paths import checkout_root
+
 
 def add_cli(subparsers) -> None:
     """Add `site` (with `build` and `serve`) to the `scalelab` command."""
@@ -23,7 +25,7 @@ def add_cli(subparsers) -> None:
     b.add_argument("--lab", action="append", dest="labs", metavar="NAME",
                    help="only this lab's page (a folder name under labs/); repeatable; default: every lab")
     b.add_argument("--labs-root", help="where the labs are (default: the repository's labs/)")
-    b.add_argument("--out", help="HTML output folder (default: site/_build/html)")
+    b.add_argument("--out", help=f"HTML output folder (default: {checkout_root() / 'site' / '_build' / 'html'})")
     b.add_argument("--force", action="store_true", help="execute every lab again, even when a copy is up to date")
     b.add_argument("--json", action="store_true", help="print what was built as JSON")
     b.set_defaults(func=build_command)
