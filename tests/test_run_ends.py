@@ -59,6 +59,7 @@ def _scalelab_run(run_dir: Path, launcher: str) -> subprocess.Popen:
     pytest.param("horovodrun", signal.SIGKILL, marks=pytest.mark.horovod),
     pytest.param("slurm", signal.SIGTERM, marks=pytest.mark.slurm),
     pytest.param("slurm", signal.SIGHUP, marks=pytest.mark.slurm),
+    pytest.param("slurm", signal.SIGKILL, marks=pytest.mark.slurm),
 ])
 def test_a_signal_to_scalelab_run_leaves_no_process_within_15_s(tmp_path, request, launcher, sig):
     if launcher == "slurm":

@@ -17,7 +17,7 @@ from ..cluster.slurm import job_active, job_fields, job_phase, slurm_command, sl
 from ..errors import LaunchError
 from ..run.handle import Run
 from ..run.procs import scrub_env
-from .base import prepare_run_dir, threads_for, worker_command
+from .base import prepare_run_dir, start_process, threads_for, worker_command
 
 # srun: "srun: error: node1: task 1: Exited with exit code 1" / "srun: error: node1: task 1: Killed"
 _FAILED_TASK = re.compile(r"task (\d+): (Exited with exit code \d+|Killed|Terminated|Segmentation fault)")
@@ -126,6 +126,8 @@ def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun
         raise LaunchError(f"sbatch refused the job: {(r.stderr or r.stdout).strip()} (script: {script})")
     job_id = r.stdout.strip().split(";")[0]
     (run_dir / "job_id").write_text(job_id + "\n")
+    # cancels the job if this process dies without stopping the run (a SIGKILL, a dead kernel)
+    start_process([sys.executable, "-m", "scalelab.cluster.guard", job_id], env, run_dir / "logs" / "guard.log")
     return SlurmRun(spec, run_dir, job_id, env, reader)
 
 
