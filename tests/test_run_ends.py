@@ -131,3 +131,16 @@ def test_a_kernel_shutdown_or_restart_ends_a_running_launch_panels_run(tmp_path,
             km.shutdown_kernel(now=True)
         for p in processes_of(run_root):
             p.kill()
+
+
+@pytest.mark.slurm
+def test_a_finished_slurm_run_leaves_no_guard_behind(slurm_cluster, tmp_path):
+    import psutil
+
+    from scalelab import launch, preset
+    run = launch(preset("tiny").with_overrides({"launcher": "slurm", "output_dir": str(tmp_path / "r")}))
+    assert run.guard is not None and run.guard.poll() is None  # on watch while the job runs
+    assert run.wait(timeout=300)["status"] == "succeeded"
+    guards = [p for p in psutil.Process().children(recursive=True)
+              if "scalelab.cluster.guard" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert guards == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,7 @@ class SlurmRun(Run):
     def __init__(self, spec, run_dir, job_id: str, env: dict, reader=None):
         super().__init__(spec, run_dir, reader)
         self.job_id, self.env = job_id, env
+        self.guard: subprocess.Popen | None = None  # scalelab.cluster.guard, dismissed when the run ends
         self._last_check = 0.0
         self._cached = ("pending", None, None)
 
@@ -93,6 +95,12 @@ class SlurmRun(Run):
                 what += f" ({info['Reason']})"
             self._cached = ("failed", f"{who}{what}; last lines of its output:\n{self.output(tail=8)}", rank)
         return self._cached
+
+    def _finish(self, state: str) -> None:
+        super()._finish(state)
+        if self.guard is not None and self.guard.poll() is None:
+            self.guard.kill()  # the run ended here: nothing left for the guard to cancel
+            self.guard.wait()
 
     def output(self, tail: int | None = None) -> str:
         """The job's own output file (the batch script's and srun's messages)."""
@@ -126,9 +134,11 @@ def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun
         raise LaunchError(f"sbatch refused the job: {(r.stderr or r.stdout).strip()} (script: {script})")
     job_id = r.stdout.strip().split(";")[0]
     (run_dir / "job_id").write_text(job_id + "\n")
+    run = SlurmRun(spec, run_dir, job_id, env, reader)
     # cancels the job if this process dies without stopping the run (a SIGKILL, a dead kernel)
-    start_process([sys.executable, "-m", "scalelab.cluster.guard", job_id], env, run_dir / "logs" / "guard.log")
-    return SlurmRun(spec, run_dir, job_id, env, reader)
+    run.guard = start_process([sys.executable, "-m", "scalelab.cluster.guard", job_id], env,
+                              run_dir / "logs" / "guard.log")
+    return run
 
 
 __all__ = ["batch_script", "launch", "SlurmRun", "threads_for"]
