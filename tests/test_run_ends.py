@@ -50,16 +50,13 @@ def _scalelab_run(run_dir: Path, launcher: str) -> subprocess.Popen:
                             env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
 
 
+MARKS = {"local": [], "torchrun": [], "mpirun": [pytest.mark.mpi], "horovodrun": [pytest.mark.horovod],
+         "slurm": [pytest.mark.slurm]}
+
+
 @pytest.mark.parametrize("launcher, sig", [
-    ("local", signal.SIGTERM), ("local", signal.SIGHUP), ("local", signal.SIGKILL),
-    ("torchrun", signal.SIGTERM), ("torchrun", signal.SIGKILL),
-    pytest.param("mpirun", signal.SIGTERM, marks=pytest.mark.mpi),
-    pytest.param("mpirun", signal.SIGKILL, marks=pytest.mark.mpi),
-    pytest.param("horovodrun", signal.SIGTERM, marks=pytest.mark.horovod),
-    pytest.param("horovodrun", signal.SIGKILL, marks=pytest.mark.horovod),
-    pytest.param("slurm", signal.SIGTERM, marks=pytest.mark.slurm),
-    pytest.param("slurm", signal.SIGHUP, marks=pytest.mark.slurm),
-    pytest.param("slurm", signal.SIGKILL, marks=pytest.mark.slurm),
+    pytest.param(launcher, sig, marks=marks, id=f"{launcher}-{sig.name}")
+    for launcher, marks in MARKS.items() for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGKILL)
 ])
 def test_a_signal_to_scalelab_run_leaves_no_process_within_15_s(tmp_path, request, launcher, sig):
     if launcher == "slurm":
