@@ -363,3 +363,63 @@ def test_private_tmp_hides_what_others_left_there_and_keeps_the_runs_own_folder(
     assert listing.rstrip().endswith("['job']"), listing
     assert (job / "out.txt").read_text() == "mine"  # written through the bind: it lands in the real folder
     assert not Path("/tmp/scratch").exists() and not Path("/dev/shm/scratch").exists()  # private ones are gone
+
+
+SHM = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_CREAT = 0o1000
+print("host segment seen", libc.shmget({host_key}, 0, 0) != -1)
+seg = libc.shmget({run_key}, 4096, IPC_CREAT | 0o666)
+print("run segment made", seg != -1)
+"""
+
+
+def _shm_keys() -> set[int]:
+    out = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
+    return {int(line.split()[0], 16) for line in out.splitlines() if line.startswith("0x")}
+
+
+@root_only
+def test_shared_memory_of_a_run_is_its_own_and_gone_after_it():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    host_key, run_key = 0x5C1A0001, 0x5C1A0002
+    host_seg = libc.shmget(host_key, 4096, 0o1000 | 0o600)
+    assert host_seg != -1
+    try:
+        proc = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)), SHM.format(host_key=host_key, run_key=run_key))
+        assert "host segment seen False" in proc.stdout, proc.stdout + proc.stderr
+        assert "run segment made True" in proc.stdout  # the control: the run could make one
+        assert run_key not in _shm_keys(), "the run's segment outlived it on the host"
+    finally:
+        libc.shmctl(host_seg, 0, None)  # IPC_RMID
+        if run_key in _shm_keys():  # only when the test failed: leave nothing behind
+            subprocess.run(["ipcrm", "-M", hex(run_key)], capture_output=True)
+
+
+@root_only
+def test_private_temporary_folders_are_size_limited_and_lock_folders_are_private(open_tmp):
+    (Path("/run/lock") / "scalelab-host-lock").write_text("host")
+    code = """
+    import errno
+    try:
+        with open("/dev/shm/big", "wb") as f:
+            for _ in range(64):
+                f.write(b"x" * 2**20)
+        print("wrote 64 MiB")
+    except OSError as e:
+        print("full", errno.errorcode[e.errno])
+    import os
+    print("host lock seen", os.path.exists("/run/lock/scalelab-host-lock"))
+    open("/var/lock/scalelab-run-lock", "w").write("run")
+    print("run lock made")
+    """
+    try:
+        proc = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, tmp_mb=16)), code)
+        assert "full ENOSPC" in proc.stdout, proc.stdout + proc.stderr
+        assert "host lock seen False" in proc.stdout and "run lock made" in proc.stdout
+        assert not Path("/run/lock/scalelab-run-lock").exists(), "the run's lock file reached the host"
+    finally:
+        Path("/run/lock/scalelab-host-lock").unlink(missing_ok=True)
+        Path("/run/lock/scalelab-run-lock").unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .sandbox import SandboxError, SandboxPlan, blocking_ancestor, inside
 
-CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x40000000, 0x10000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
@@ -44,14 +44,15 @@ def apply_sandbox(plan: SandboxPlan) -> None:
     uid, gid = os.getuid(), os.getgid()
     if plan.userns or plan.netns == "user":
         flags |= CLONE_NEWUSER
-    if flags:
+    if flags:  # allowed to make namespaces: System V shared memory, semaphores and queues of the run's own too,
+        flags |= CLONE_NEWIPC  # gone with its last process (nothing left on the host, nothing of others seen)
         _call("unshare", flags)
     if flags & CLONE_NEWUSER:
         _map_ids(uid, gid)
     if flags & CLONE_NEWNS:
         _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
         _expose(plan.expose, plan.cover, blocking=plan.uid is not None, private=plan.private,
-                writable=plan.writable)
+                writable=plan.writable, tmp_bytes=plan.tmp_bytes)
         _hide(plan.hide)
     if flags & CLONE_NEWNET:
         loopback_up()
@@ -75,7 +76,7 @@ def _map_ids(uid: int, gid: int) -> None:
 
 
 def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[str] = (),
-            writable: list[str] = ()) -> None:
+            writable: list[str] = (), tmp_bytes: int = 512 * 2**20) -> None:
     # Cover each covered checkout and each blocking folder (e.g. /root) with an empty read-only tmpfs, and each
     # private temporary folder with an empty writable one; then bind back only the needed paths (read-only) and
     # the run's own folder (read-write) into them: nothing else of those folders is reachable.
@@ -90,7 +91,8 @@ def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[s
     covered = set(private)
     try:
         for t in private:
-            _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+            _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV,
+                  f"mode=1777,size={tmp_bytes}".encode())
         for p, readonly in sorted(binds):
             top = tops[p]
             if top is None:

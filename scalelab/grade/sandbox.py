@@ -43,7 +43,7 @@ from ..errors import ScalelabError
 from ..run.procs import kill_processes
 
 UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
-PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # /var/lock is a link to /run/lock on Debian
 
 
 class SandboxError(ScalelabError):
@@ -67,7 +67,9 @@ class SandboxPolicy:
     needed: tuple[str, ...] = ()
     """What the run must read (interpreter, venv, the scalelab it imports); empty: `needed_paths()` of this process."""
     private_tmp: bool = True
-    """Give the run empty /tmp, /var/tmp and /dev/shm of its own."""
+    """Give the run empty /tmp, /var/tmp, /dev/shm and /run/lock of its own."""
+    tmp_mb: int = 512
+    """Size limit of each private temporary folder (tmpfs lives in memory: unbounded, it outgrows memory_mb)."""
     workdir: str | None = None
     """The run's own folder (job folder): stays visible and writable inside a private temporary folder."""
     max_processes: int = 256
@@ -96,6 +98,8 @@ class SandboxPlan:
     """Temporary folders replaced by an empty writable tmpfs (mode 1777)."""
     writable: list[str] = field(default_factory=list)
     """Folders bound back read-write into a private temporary folder (the job folder)."""
+    tmp_bytes: int = 512 * 2**20
+    """Size limit of each private temporary folder."""
     memory_bytes: int | None = None
     memory_via: str = "none"
     """'cgroup2', 'rlimit' or 'none'."""
@@ -136,6 +140,7 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
     plan.cover = [c for c in covers if any(inside(p, c) for p in needed)]
     plan.hide = sorted(set(plan.hide) | {c for c in covers if c not in plan.cover and
                                          not any(p == c or inside(c, p) for p in needed)})
+    plan.tmp_bytes = policy.tmp_mb * 2**20
     if policy.private_tmp:
         plan.private = [t for t in PRIVATE_TMP if os.path.isdir(t) and not os.path.islink(t)
                         and not any(p == t or inside(t, p) for p in needed)]
