@@ -30,6 +30,10 @@ the run a notebook says it made, so a check can hold a recorded number against i
         '''The recorded loss is the loss of the run the notebook made.'''
         found = evidence(r, r["run_dir"])
         assert abs(found["final_loss"] - r["final_loss"]) < 1e-6, "final_loss does not match the run's events"
+
+A check declared with `needs_run=True` counts only if the notebook made at least one engine run whose event
+files are plausible (`made_runs`): a notebook that types its numbers without running anything scores nothing on
+it, even where no event backs the number the check judges (an in-process measurement, an exercise's answer).
 """
 from __future__ import annotations
 
@@ -68,6 +72,8 @@ class Check:
     points: float
     description: str
     hidden: bool = False
+    needs_run: bool = False
+    """Fail unless the notebook made a plausible engine run (see `made_runs`)."""
 
 
 @dataclass
@@ -115,14 +121,15 @@ class Records(Mapping):
 _REGISTRY: list[Check] | None = None
 
 
-def check(points: float = 1.0, name: str | None = None):
-    """Register the decorated function as a check worth `points`."""
+def check(points: float = 1.0, name: str | None = None, needs_run: bool = False):
+    """Register the decorated function as a check worth `points`; with needs_run, it fails unless the notebook
+    made a plausible engine run."""
     if not (isinstance(points, (int, float)) and points > 0):
         raise ValueError(f"check points must be a number > 0, got {points!r}")
 
     def wrap(func):
         c = Check(name or func.__name__, func, float(points), (func.__doc__ or "").strip().splitlines()[0]
-                  if func.__doc__ else func.__name__)
+                  if func.__doc__ else func.__name__, needs_run=needs_run)
         if _REGISTRY is not None:
             _REGISTRY.append(c)
         func.scalelab_check = c
@@ -152,6 +159,8 @@ def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
     start = time.perf_counter()
     result = CheckResult(c.name, "pass", c.points, c.points, hidden=c.hidden)
     try:
+        if c.needs_run:
+            made_runs(Records(records))
         value = c.func(Records(records))
         if isinstance(value, Partial):
             result.points = round(c.points * value.fraction, 4)
@@ -177,14 +186,40 @@ def run_checks(checks: list[Check], records: Mapping[str, Any]) -> list[CheckRes
 
 
 def evidence(r: Mapping, run_dir: str) -> dict:
-    """The grader's summary of the run in `run_dir` (from its event files); fails the check if there is none."""
+    """The grader's summary of the run in `run_dir` (from its event files); fails the check if there is none or
+    if its events are not plausible."""
     from .evidence import RUNS, WORKDIR, relative_run_dir
     runs = r[RUNS]  # absent outside the grader and SelfCheck: the check ends as `missing`
     key = relative_run_dir(str(run_dir), r.get(WORKDIR))
     if not isinstance(runs, Mapping) or key not in runs:
         raise AssertionError(f"no event files were found for the run {run_dir!r}: the values checked must come "
                              "from a run this notebook made")
-    return runs[key]
+    found = runs[key]
+    if found.get("implausible"):
+        raise AssertionError(f"the event files of the run {run_dir!r} cannot come from a real run "
+                             f"({'; '.join(found['implausible'][:2])}): its numbers count for nothing")
+    return found
+
+
+def made_runs(r: Mapping) -> dict:
+    """Every run this notebook made whose events are plausible, by run dir; fails the check if there is none."""
+    from .evidence import RUNS
+    runs = r[RUNS]  # absent outside the grader and SelfCheck: the check ends as `missing`
+    real = {k: v for k, v in runs.items() if isinstance(v, Mapping) and not v.get("implausible")} \
+        if isinstance(runs, Mapping) else {}
+    if not real:
+        rejected = len(runs) if isinstance(runs, Mapping) else 0
+        raise AssertionError("this notebook made no training run whose event files the grader could verify"
+                             + (f" ({rejected} run(s) with implausible events were rejected)" if rejected else "")
+                             + ": checks of measured numbers count only once the notebook's own runs have run")
+    return real
+
+
+def close(found, recorded, rel: float = 1e-6, what: str = "value") -> None:
+    """Assert that a recorded number equals the one the grader re-derived (relative tolerance `rel`)."""
+    ok = isinstance(found, (int, float)) and isinstance(recorded, (int, float)) and \
+        math.isclose(found, recorded, rel_tol=rel, abs_tol=1e-12)
+    assert ok, f"the recorded {what} ({recorded!r:.12}) is not what the run's event files show ({found!r:.12})"
 
 
 def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
@@ -197,5 +232,5 @@ def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
     return checks
 
 
-__all__ = ["check", "partial", "Partial", "evidence", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
+__all__ = ["check", "partial", "Partial", "evidence", "made_runs", "close", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
            "load_checks", "run_check", "run_checks", "lab_checks"]
