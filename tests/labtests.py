@@ -16,6 +16,7 @@ import yaml
 
 from scalelab.course.release import strip_solutions
 from scalelab.grade.checks import lab_checks, run_checks
+from scalelab.grade.evidence import run_evidence
 from scalelab.testing.labs import execute_lab
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,10 @@ def run_reference(lab_dir: Path, out: Path, cell_timeout: float, total_timeout: 
         params = {**params, "out_dir": str(out / "runs")}
     start = time.monotonic()
     result = execute_lab(lab_dir, params, output_dir=out, cell_timeout=cell_timeout, total_timeout=total_timeout)
-    return result.records, time.monotonic() - start
+    # the grader's evidence from the runs' event files, as `scalelab grade` adds it (no start bound: the engine
+    # appends to event files that earlier runs of the lab folder left, and the summary is of the last launch)
+    records = {**result.records, **run_evidence(out if runs_in_out else lab_dir)}
+    return records, time.monotonic() - start
 
 
 def assert_full_marks_within(lab_dir: Path, reference: tuple[dict, float], budget_s: float) -> None:

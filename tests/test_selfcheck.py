@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,9 @@ def test_self_check_sees_the_same_run_evidence_as_the_grader(tmp_path):
         "def real_run(r):\n"
         "    assert evidence(r, r['run_dir'])['final_loss'] == r['final_loss'], 'not the run loss'\n")
     ev = EventWriter(lab / "out" / "fit", rank=0)
-    ev.emit("step", step=1, loss=0.5, samples=1, step_s=0.1, data_s=0.0, compute_s=0.1, comm_s=0.0)
+    ev.emit("start", world_size=1, start_step=0, total_steps=1)
+    time.sleep(0.01)  # the step below took 0.01 s: the clock must have moved that far (the plausibility check)
+    ev.emit("step", step=1, loss=0.5, samples=1, step_s=0.01, data_s=0.0, compute_s=0.01, comm_s=0.0)
     ev.emit("end", final_loss=0.5)
     ev.close()
     assert self_check(lab, {"run_dir": str(lab / "out" / "fit"), "final_loss": 0.5}).passed
