@@ -7,14 +7,14 @@ def _rate(value, what):
     return float(value)
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def baseline_measured(r):
     """The engine's baseline run and the in-process measurement both produced a throughput."""
     _rate(r["baseline_samples_per_s"], "baseline_samples_per_s")
     _rate(r["inprocess_full_sps"], "inprocess_full_sps")
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def step_split_measured(r):
     """Data-only, compute-only and full throughput were all measured."""
     split = r["split"]
@@ -22,7 +22,7 @@ def step_split_measured(r):
         _rate(split.get(k), f"split[{k!r}]")
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def full_step_predicted(r):
     """Exercise 1: the prediction lies where a serial step must: between min(data, compute)/2 and min(data, compute)."""
     pred, split = _rate(r["predicted_full_sps"], "predicted_full_sps"), r["split"]
@@ -32,7 +32,7 @@ def full_step_predicted(r):
         f"({split['compute']:.0f}/s) runs between {slowest / 2:.0f} and {slowest:.0f}: add the times per sample")
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def bottleneck_named(r):
     """Exercise 1: the bottleneck is the slower of data and compute."""
     split = r["split"]
@@ -41,7 +41,7 @@ def bottleneck_named(r):
                                     f"and compute at {split['compute']:.0f} samples/s"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def loader_workers_help(r):
     """With storage latency, some number of loader workers beats loading in the training process."""
     rows = {row["workers"]: row["samples_per_s"] for row in r["loader_sweep"]}
@@ -51,7 +51,7 @@ def loader_workers_help(r):
                                   "clear gain when every sample waits for storage (is read_ms > 0?)"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def workers_chosen(r):
     """Exercise 2: the chosen worker count reaches 90 % of the best throughput measured."""
     rows = {row["workers"]: row["samples_per_s"] for row in r["loader_sweep"]}
@@ -61,7 +61,7 @@ def workers_chosen(r):
                                                 f"best ({max(rows.values()):.0f})"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def precisions_compared(r):
     """At least two precisions were measured and reach nearly the same loss."""
     rows = r["precision"]
@@ -72,7 +72,7 @@ def precisions_compared(r):
                                         f"{row['loss_diff']:.4f} away from fp32: too far for mixed precision"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def compile_attempted(r):
     """torch.compile was tried: either a measured speedup or the error that stopped it."""
     c = r["compile"]
@@ -83,7 +83,7 @@ def compile_attempted(r):
         assert c.get("error"), "compile failed without saying why"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def profile_saved(r):
     """A profiler trace was saved and its operator table recorded."""
     p = r["profile"]
@@ -91,14 +91,14 @@ def profile_saved(r):
     assert p["ops"] and p["self_ms_total"] > 0, "the operator table is empty"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def conv_share(r):
     """Exercise 3: the share of self time spent in convolutions is a fraction in (0, 1)."""
     f = r["conv_fraction"]
     assert isinstance(f, (int, float)) and 0 < f < 1, f"conv_fraction={f!r} must be in (0, 1)"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def ladder_climbs(r):
     """The optimisation ladder ends faster than it started."""
     rows = r["ladder"]

@@ -1,14 +1,19 @@
-"""Lab 01 hidden checks: cross-check recorded values against each other (a forged number rarely fits them all)."""
+"""Lab 01 hidden checks: the engine baseline against its event files, and recorded values against each other.
+
+The engine baseline is the one number of this lab that events back; the rest (split, loader sweep, precisions,
+compile, profile, ladder) are measured in the notebook's own process and are held against each other and, loosely,
+against the evidenced baseline. Every check needs a real run (`needs_run`).
+"""
 import math
 
-from scalelab.grade.checks import check
+from scalelab.grade.checks import check, close, evidence
 
 
 def _close(a, b, rel):
     return math.isclose(a, b, rel_tol=rel)
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def prediction_is_the_serial_formula(r):
     """predicted_full_sps is exactly 1 / (1/data + 1/compute) of the recorded split."""
     s = r["split"]
@@ -16,22 +21,31 @@ def prediction_is_the_serial_formula(r):
     assert _close(r["predicted_full_sps"], want, 1e-3), "the prediction does not follow from the recorded split"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def full_step_cannot_beat_its_slowest_stage(r):
     """A serial step is no faster than its slower stage (plus a wide margin for a noisy machine)."""
     s = r["split"]
     assert s["full"] <= 1.5 * min(s["data"], s["compute"]), "full step faster than its slowest stage"
 
 
-@check(points=1)
+@check(points=3, needs_run=True)
+def baseline_is_the_engine_run(r):
+    """The baseline's samples/s is what its run's event files show, for one process."""
+    found = evidence(r, r["baseline_run_dir"])
+    assert found["world_size"] == 1, f"the baseline ran {found['world_size']} processes, not 1"
+    close(found["samples_per_s"], r["baseline_samples_per_s"], what="baseline samples/s")
+
+
+@check(points=1, needs_run=True)
 def engine_and_process_agree(r):
-    """The engine's baseline and the in-process measurement are within a factor 10 of each other (two short
-    measurements taken a few seconds apart on a shared machine can differ several-fold; a forged number by more)."""
-    a, b = r["baseline_samples_per_s"], r["inprocess_full_sps"]
+    """The engine's baseline (from its events) and the in-process measurement are within a factor 10 of each
+    other (two short measurements taken a few seconds apart on a shared machine can differ several-fold; a forged
+    number by more)."""
+    a, b = evidence(r, r["baseline_run_dir"])["samples_per_s"], r["inprocess_full_sps"]
     assert 1 / 10 <= a / b <= 10, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def chosen_workers_is_the_smallest(r):
     """chosen_workers is the smallest count within 90 % of the best."""
     rows = {row["workers"]: row["samples_per_s"] for row in r["loader_sweep"]}
@@ -39,7 +53,7 @@ def chosen_workers_is_the_smallest(r):
     assert r["chosen_workers"] == min(w for w, v in rows.items() if v >= 0.9 * best), "not the smallest such count"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def conv_fraction_follows_the_profile(r):
     """conv_fraction is recomputed from the recorded operator table."""
     p = r["profile"]
@@ -47,7 +61,7 @@ def conv_fraction_follows_the_profile(r):
     assert _close(r["conv_fraction"], want, 1e-6), "conv_fraction does not follow from the recorded profile"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def ladder_is_consistent(r):
     """Each rung's speedup and gain follow from the recorded samples/s."""
     rows = r["ladder"]
@@ -57,7 +71,7 @@ def ladder_is_consistent(r):
         assert _close(row["gain"], row["samples_per_s"] / prev["samples_per_s"], 1e-6), f"rung {row['name']}: gain"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def precision_speedups_are_consistent(r):
     """Each precision's speedup is its samples/s over fp32's."""
     rows = r["precision"]

@@ -4,7 +4,7 @@ import math
 from scalelab.grade.checks import check
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def allreduce_timed(r):
     """Allreduce was timed over growing message sizes and summed correctly on every rank."""
     a = r["allreduce"]
@@ -14,7 +14,7 @@ def allreduce_timed(r):
     assert all(row["time_s"] > 0 for row in a["rows"])
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def bandwidths_computed(r):
     """Exercise 1: every row has algbw_GBps = bytes/time/1e9 and busbw_GBps = algbw x 2(N-1)/N."""
     n = r["allreduce"]["world"]
@@ -27,7 +27,7 @@ def bandwidths_computed(r):
             f"busbw/algbw must be 2(N-1)/N = {2 * (n - 1) / n:.3f} for N = {n}"
 
 
-@check(points=3)
+@check(points=3, needs_run=True)
 def by_hand_matches_ddp(r):
     """Exercise 2: gradients averaged by hand equal DDP's on every rank, and so do the parameters."""
     for row in r["by_hand"]:
@@ -37,7 +37,7 @@ def by_hand_matches_ddp(r):
         assert row["replica_max_diff"] == 0.0, f"rank {row['rank']}'s hand-averaged copy differs from rank 0's"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def buckets_shrink_with_the_cap(r):
     """Larger bucket caps mean fewer allreduces per step; the bytes reduced stay the same."""
     rows = sorted(r["buckets"]["rows"], key=lambda x: x["bucket_cap_mb"])
@@ -46,7 +46,7 @@ def buckets_shrink_with_the_cap(r):
     assert len({x["bytes_per_step"] for x in rows}) == 1, "every cap must reduce the same gradient bytes"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def ring_bytes(r):
     """Exercise 3: the bytes a rank sends per step lie between 1x and 2x the gradient bytes."""
     grad = r["buckets"]["rows"][0]["bytes_per_step"]
@@ -54,7 +54,7 @@ def ring_bytes(r):
     assert grad <= v < 2 * grad, f"ring_bytes_per_rank={v!r}; in a ring each rank sends 2(N-1)/N x {grad} bytes"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def no_sync_saves_allreduces(r):
     """no_sync on all but the last micro-batch sends k times fewer allreduces for the same gradient."""
     a = r["accumulation"]
@@ -62,7 +62,7 @@ def no_sync_saves_allreduces(r):
     assert a["grad_max_diff"] < 1e-5, f"the two gradients differ by {a['grad_max_diff']:.3g}"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def replicas_stay_identical_only_with_averaging(r):
     """With DDP every rank's parameters equal rank 0's exactly; without averaging they drift."""
     reps = r["replicas"]
@@ -70,7 +70,7 @@ def replicas_stay_identical_only_with_averaging(r):
     assert any(x["no_averaging"]["max_diff_from_rank0"] > 0 for x in reps), "unaveraged replicas did not drift"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def panel_runs_launched(r):
     """The LaunchPanel ran 1 worker and N > 1 workers, with a throughput for every rank."""
     runs = r["panel_runs"]
@@ -79,7 +79,7 @@ def panel_runs_launched(r):
         assert len(x["per_rank"]) == x["workers"] and all(v > 0 for v in x["per_rank"]), x
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def efficiency_in_range(r):
     """Exercise 4: weak-scaling efficiency is a positive number no larger than about 1."""
     e = r["efficiency"]

@@ -3,7 +3,7 @@ from scalelab.ckpt.retention import select
 from scalelab.grade.checks import check
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def partial_and_corrupted_checkpoints_are_refused(r):
     """A stray temp file is never the latest; loading it or a corrupted copy fails with the file named."""
     a = r["anatomy"]
@@ -15,14 +15,14 @@ def partial_and_corrupted_checkpoints_are_refused(r):
         "the corrupted checkpoint was not refused with its name"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def checksum_verified_by_hand(r):
     """Exercise 1: my_checksum equals the manifest's checksum of the latest checkpoint."""
     want = r["manifest_entry"]["checksum"]
     assert r["my_checksum"] == want, f"my_checksum {r['my_checksum']!r}, manifest {want!r}"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def modes_compared(r):
     """Every mode saved checkpoints; async blocked training less than sync."""
     modes = r["modes"]
@@ -32,7 +32,7 @@ def modes_compared(r):
     assert modes["async"]["blocked_s"] < modes["sync"]["blocked_s"], "async blocked longer than sync"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def stall_ratio_computed(r):
     """Exercise 2: stall_ratio is async over sync blocking, below 1; least_blocking names a measured mode."""
     ratio = r["stall_ratio"]
@@ -40,7 +40,7 @@ def stall_ratio_computed(r):
     assert r["least_blocking"] in r["modes"], f"least_blocking {r['least_blocking']!r} is not a measured mode"
 
 
-@check(points=3)
+@check(points=3, needs_run=True)
 def resume_is_exact(r):
     """Exercise 3: the resumed run ends with exactly the parameters and losses of the uninterrupted one."""
     assert r["resume"]["start_step"] > 0, "the second launch did not resume from a checkpoint"
@@ -48,7 +48,7 @@ def resume_is_exact(r):
     assert r["losses_equal"] is True, "the resumed losses differ from the uninterrupted run's"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def retention_rule_applied(r):
     """Exercise 4: my_kept are the newest two plus the two lowest-loss checkpoints of the history."""
     kept, _ = select(r["retention_history"], keep_last=2, keep_best=2)
@@ -56,7 +56,7 @@ def retention_rule_applied(r):
     assert r["my_kept"] == want, f"my_kept {r['my_kept']} (expected {len(want)} steps)"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def chain_of_attempts_finishes_identically(r):
     """The time-sliced run needed several attempts, the last one finished, and it matches the uninterrupted run."""
     attempts = r["slices"]["attempts"]

@@ -1,12 +1,59 @@
-"""Lab 06 hidden checks: recompute answers from other records (a forged number rarely fits them all)."""
+"""Lab 06 hidden checks: the engine runs against their event files; answers recomputed from other records.
+
+Every training run of this lab writes events: the mode comparison, the resume, the retention run and the chain
+of time-limited attempts are held against them. The anatomy demo and the checksum are file operations in the
+notebook's process, held against each other only. Every check needs a real run (`needs_run`).
+"""
 import math
 import re
 
 from scalelab.ckpt.retention import select
-from scalelab.grade.checks import check
+from scalelab.grade.checks import check, close, evidence
 
 
-@check(points=2)
+@check(points=3, needs_run=True)
+def modes_are_the_engine_runs(r):
+    """Each mode's checkpoints and blocked time are what its run's event files show, for the recorded workers."""
+    dirs, workers = r["mode_run_dirs"], r["lab06_params"]["workers"]
+    assert set(dirs) == set(r["modes"]), f"run dirs recorded for {sorted(dirs)}, modes for {sorted(r['modes'])}"
+    for mode, s in r["modes"].items():
+        found = evidence(r, dirs[mode])
+        assert found["world_size"] == workers, f"{mode}: {found['world_size']} ranks ran, {workers} recorded"
+        assert found["checkpoints"] == s["checkpoints"], f"{mode}: {s['checkpoints']} checkpoints recorded, " \
+                                                         f"{found['checkpoints']} in the events"
+        close(found["blocked_s"], s["blocked_s"], rel=1e-4, what=f"{mode} blocked_s")
+
+
+@check(points=2, needs_run=True)
+def resume_is_the_engine_runs(r):
+    """The uninterrupted and the resumed loss curves, and the resume step, are what the runs' events show."""
+    res = r["resume"]
+    whole, resumed = evidence(r, res["whole_run_dir"]), evidence(r, res["resumed_run_dir"])
+    assert whole["loss_curve"] == res["whole_losses"], "whole_losses are not the uninterrupted run's"
+    assert resumed["loss_curve"] == res["resumed_losses"], "resumed_losses are not the resumed launch's"
+    assert resumed["launches"] == 2 and resumed["start_step"] == res["start_step"], \
+        f"the resumed run's events show {resumed['launches']} launches, the last from step {resumed['start_step']}"
+
+
+@check(points=1, needs_run=True)
+def engine_history_is_the_run(r):
+    """The retention run's checkpoint history is what its events show."""
+    found = evidence(r, r["keep_run_dir"])
+    assert found["checkpoint_history"] == r["engine_history"], "engine_history is not the run's checkpoints"
+
+
+@check(points=1, needs_run=True)
+def chain_is_the_engine_run(r):
+    """The chained run's events show at least two launches, no more than the recorded attempts, and the last one
+    reaching the final step."""
+    sl, steps = r["slices"], r["lab06_params"]["slice_steps"]
+    found = evidence(r, sl["run_dir"])
+    assert 2 <= found["launches"] <= len(sl["attempts"]), f"{found['launches']} launches in the events, " \
+                                                          f"{len(sl['attempts'])} attempts recorded"
+    assert found["steps"] == steps, f"the chained run's events end at step {found['steps']}, not {steps}"
+
+
+@check(points=2, needs_run=True)
 def stall_ratio_follows_from_the_modes(r):
     """stall_ratio is async blocked_s over sync blocked_s; least_blocking is the smallest blocked_s."""
     m = r["modes"]
@@ -14,13 +61,13 @@ def stall_ratio_follows_from_the_modes(r):
     assert r["least_blocking"] == min(m, key=lambda k: m[k]["blocked_s"])
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def checksum_is_a_crc32(r):
     """my_checksum has the manifest's format: crc32 and eight hex digits."""
     assert re.fullmatch(r"crc32:[0-9a-f]{8}", r["my_checksum"] or ""), f"{r['my_checksum']!r}"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def resume_records_agree(r):
     """The recorded loss curves agree with losses_equal, and the resume started at the last checkpoint before
     the stop (no checkpoint is written at a run's final step)."""
@@ -31,14 +78,14 @@ def resume_records_agree(r):
     assert len(res["whole_losses"]) == p["resume_steps"]
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def engine_retention_follows_the_rule(r):
     """The engine kept the newest 2 and the best 1 of its recorded checkpoint history."""
     kept, _ = select(r["engine_history"], keep_last=2, keep_best=1)
     assert r["kept_by_engine"] == [e["step"] for e in kept]
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def my_kept_by_hand(r):
     """my_kept recomputed without the library: the newest two and the two lowest metrics."""
     h = r["retention_history"]
@@ -47,7 +94,7 @@ def my_kept_by_hand(r):
     assert r["my_kept"] == sorted(newest | lowest)
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def attempts_resume_where_the_last_stopped(r):
     """Each attempt starts at a checkpoint step no later than where the previous attempt got to."""
     attempts, every = r["slices"]["attempts"], r["lab06_params"]["every"]
