@@ -1,0 +1,321 @@
+"""Forged submissions of the real labs score no more than the unmodified student copy (issue 16, item 1).
+
+Two forgeries per lab, made from the reference notebook by replacing its code cells (the parameters cell stays):
+
+- `forged_records`: hand-typed numbers, mutually consistent (every derived value computed from the typed ones by
+  the lab's own formulas), recorded without running anything. They fit the lab's recomputation checks
+  (`test_the_forgeries_fit_the_recomputation_checks` proves it), so only the evidence stops them.
+- `forged_events`: the same, plus event files written by hand for every run dir the notebook records: a start
+  event with the right world size, rising steps, samples/s = samples / step time, a final loss that is the mean of
+  the ranks' last losses, numbers that agree with the records. Written in one go, as a notebook does, so the wall
+  clock does not move as the step times say it must: the plausibility check rejects them.
+
+Each lab is graded once (module-scoped, -j 2, the lab's small grading parameters) with its released student copy
+and both forgeries. The student copy stops at its first exercise; its score is the bar.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from scalelab.course.release import release_lab
+from scalelab.grade.checks import lab_checks, run_checks
+from scalelab.grade.evidence import RUNS, run_evidence
+from scalelab.grade.grader import GradeOptions, grade
+from scalelab.run.events import EventWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A forger's helper: event files that look like the engine's (start, steps, checkpoints, end), written at once.
+FAKE_EVENTS = '''
+import json, time
+from pathlib import Path
+
+def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, every=0, blocked_s=0.0,
+             start_step=0, mode="sync"):
+    events = Path(run_dir) / "events"
+    events.mkdir(parents=True, exist_ok=True)
+    total = start_step + len(losses)
+    for rank in range(world):
+        with open(events / f"rank-{rank}.jsonl", "a") as f:
+            def emit(**e):
+                f.write(json.dumps({"rank": rank, "t": time.time(), **e}) + "\\n")
+            emit(type="start", world_size=world, start_step=start_step, total_steps=total, strategy="ddp")
+            for step, loss in enumerate(losses, start_step + 1):
+                emit(type="step", step=step, loss=loss, lr=0.05, samples=batch, step_s=step_s, data_s=0.0,
+                     compute_s=step_s, comm_s=0.0, samples_per_s=batch / step_s)
+                if every and step % every == 0 and step < total:
+                    emit(type="checkpoint", step=step, metric=loss, blocked_s=blocked_s, mode=mode)
+            emit(type="end", steps=total, final_loss=losses[-1], eval_accuracy=0.5, elapsed_s=step_s * len(losses))
+'''
+
+LAB01 = '''
+batch, step_s = 32, 0.0064  # the engine baseline: 5000 samples/s
+record("baseline_samples_per_s", batch / step_s)
+record("baseline_run_dir", "runs/lab01/baseline")
+record("inprocess_full_sps", 4800.0)
+split = {"data": 700.0, "compute": 3000.0, "full": 560.0}
+record("split", split)
+record("predicted_full_sps", 1 / (1 / split["data"] + 1 / split["compute"]))
+record("bottleneck", "data")
+record("loader_sweep", [{"workers": 0, "samples_per_s": 600.0}, {"workers": 2, "samples_per_s": 1500.0},
+                        {"workers": 4, "samples_per_s": 1600.0}])
+record("chosen_workers", 2)
+record("precision", [{"precision": "fp32", "samples_per_s": 600.0, "speedup": 1.0, "loss": 1.30, "loss_diff": 0.0},
+                     {"precision": "bf16", "samples_per_s": 500.0, "speedup": 500 / 600, "loss": 1.31,
+                      "loss_diff": 0.01}])
+record("compile", {"backend": "aot_eager", "ok": True, "speedup": 1.05, "error": None})
+ops = [{"name": "aten::convolution", "self_ms": 30.0, "calls": 10}, {"name": "aten::mm", "self_ms": 10.0, "calls": 10}]
+record("profile", {"ops": ops, "self_ms_total": 60.0, "trace_events": 500, "steps": 3})
+record("conv_fraction", 30.0 / 60.0)
+rates = [("baseline", 600.0), ("2 loader workers", 1500.0), ("batch 128", 2400.0)]
+record("ladder", [{"name": n, "samples_per_s": v, "speedup": v / rates[0][1], "gain": v / rates[max(i - 1, 0)][1]}
+                  for i, (n, v) in enumerate(rates)])
+if EVENTS:
+    fake_run("runs/lab01/baseline", losses=[1.4 - 0.01 * i for i in range(20)], batch=batch, step_s=step_s)
+'''
+
+LAB02 = '''
+rows = [{"bytes": 1024, "time_s": 1e-4}, {"bytes": 65536, "time_s": 3e-4}, {"bytes": 4194304, "time_s": 8e-3}]
+record("allreduce", {"world": 2, "backend": "gloo", "sum_ok": True, "rows": rows})
+record("allreduce_bw", [{**r, "algbw_GBps": r["bytes"] / r["time_s"] / 1e9,
+                         "busbw_GBps": r["bytes"] / r["time_s"] / 1e9 * 2 * (2 - 1) / 2} for r in rows])
+record("alpha_beta", {"latency_us": 90.0, "bandwidth_GBps": 0.5})
+record("by_hand", [{"rank": r, "world": 2, "grad_max_diff": 0.0, "param_max_diff": 0.0, "replica_max_diff": 0.0,
+                    "losses": [1.3 + 0.1 * r, 1.2, 1.1]} for r in range(2)])
+P = 500_000
+record("buckets", {"world": 2, "parameters": P, "rows": [{"bucket_cap_mb": c, "buckets": b, "bytes_per_step": 4 * P}
+                                                          for c, b in ((0.1, 6), (0.5, 3), (25.0, 1))]})
+record("ring_bytes_per_rank", 2 * (2 - 1) / 2 * 4 * P)
+record("accumulation", {"k": 4, "calls_naive": 8, "calls_no_sync": 2, "grad_max_diff": 0.0})
+record("replicas", [{"rank": r, "ddp": {"max_diff_from_rank0": 0.0}, "no_averaging": {"max_diff_from_rank0": 0.01 * r}}
+                    for r in range(2)])
+losses, batch, step_s = [1.4 - 0.01 * i for i in range(20)], 32, 0.008
+runs = []
+for n in (1, 2):
+    run_dir = f"runs/lab02/panel/panel-{n}w"
+    runs.append({"workers": n, "samples_per_s": n * batch / step_s, "per_rank": [batch / step_s] * n,
+                 "final_loss": losses[-1], "loss_curve": losses, "run_dir": run_dir})
+    if EVENTS:
+        fake_run(run_dir, world=n, losses=losses, batch=batch, step_s=step_s)
+record("panel_runs", runs)
+record("efficiency", runs[1]["samples_per_s"] / (2 * runs[0]["samples_per_s"]))
+'''
+
+LAB06 = '''
+from scalelab.ckpt.retention import select
+every, workers = 4, 2
+record("lab06_params", {"workers": workers, "every": every, "steps": 20, "modes": ["sync", "async", "sharded"],
+                        "resume_steps": 16, "stop_after": 10, "slice_steps": 24})
+record("anatomy", {"files": ["step-4.pt", "step-8.pt.tmp"], "latest": "step-4.pt",
+                   "partial_error": "step-8.pt.tmp may be partial", "corrupt_error": "step-4.pt is corrupted",
+                   "corrupt_file": "runs/lab06/anatomy/step-4.pt"})
+record("manifest_entry", {"step": 4, "file": "step-4.pt", "checksum": "crc32:0badf00d"})
+record("my_checksum", "crc32:0badf00d")
+losses = [1.4 - 0.01 * i for i in range(20)]
+blocked = {"sync": 0.4, "async": 0.04, "sharded": 0.2}
+modes = {m: {"mode": m, "checkpoints": 4, "blocked_s": 4 * b, "blocked_fraction": 0.1, "flush_s": 0.1,
+             "train_s": 1.0, "max_block_s": b} for m, b in blocked.items()}
+record("modes", modes)
+record("mode_run_dirs", {m: f"runs/lab06/mode-{m}" for m in modes})
+record("stall_ratio", modes["async"]["blocked_s"] / modes["sync"]["blocked_s"])
+record("least_blocking", "async")
+whole = losses[:16]
+record("resume", {"start_step": 8, "whole_losses": whole, "resumed_losses": whole[8:],
+                  "whole_run_dir": "runs/lab06/whole", "resumed_run_dir": "runs/lab06/resumed"})
+record("max_param_diff", 0.0)
+record("losses_equal", True)
+history = [{"step": s, "metric": losses[s - 1]} for s in (4, 8, 12, 16)]  # what the keep run's events say
+record("engine_history", history)
+record("kept_by_engine", [e["step"] for e in select(history, keep_last=2, keep_best=1)[0]])
+record("keep_run_dir", "runs/lab06/keep")
+retention = [{"step": 5 * (i + 1), "metric": m} for i, m in enumerate([2.1, 1.7, 1.9, 1.2, 1.6, 1.4, 1.3, 1.5])]
+record("retention_history", retention)
+record("my_kept", sorted({h["step"] for h in retention[-2:]} |
+                         {h["step"] for h in sorted(retention, key=lambda h: h["metric"])[:2]}))
+record("slices", {"attempts": [{"status": "timeout", "start_step": 0, "last_step": 10, "elapsed_s": 10.0},
+                               {"status": "succeeded", "start_step": 8, "last_step": 24, "elapsed_s": 9.0}],
+                  "identical": True, "run_dir": "runs/lab06/slices"})
+if EVENTS:
+    for m, b in blocked.items():
+        fake_run(f"runs/lab06/mode-{m}", world=workers, losses=losses, every=every, blocked_s=b, mode=m)
+    fake_run("runs/lab06/whole", world=workers, losses=whole, every=every)
+    fake_run("runs/lab06/resumed", world=workers, losses=losses[:10], every=every)
+    fake_run("runs/lab06/resumed", world=workers, losses=whole[8:], every=every, start_step=8)
+    fake_run("runs/lab06/keep", losses=losses[:17], every=every)
+    fake_run("runs/lab06/slices", losses=losses[:10], every=every)
+    fake_run("runs/lab06/slices", losses=(losses * 2)[8:24], every=every, start_step=8)
+'''
+
+FORGERIES = {"01_single_device": LAB01, "02_data_parallel": LAB02, "06_checkpointing": LAB06}
+
+
+def forged_notebook(lab: Path, with_events: bool) -> dict:
+    """The reference notebook with every code cell but the parameters cell replaced by one forging cell."""
+    nb = json.loads((lab / "lab.ipynb").read_text())
+    cells = [c for c in nb["cells"] if c["cell_type"] != "code" or "parameters" in c["metadata"].get("tags", [])]
+    source = ("from scalelab.record import record\n" + FAKE_EVENTS + f"\nEVENTS = {with_events}\n"
+              + FORGERIES[lab.name])
+    cells.append({"cell_type": "code", "execution_count": None, "id": "forged", "metadata": {}, "outputs": [],
+                  "source": source})
+    return {**nb, "cells": cells}
+
+
+def forged_records(lab: Path) -> dict:
+    """What the forging cell records, computed here (no kernel, no events)."""
+    records: dict = {}
+    exec(compile(FAKE_EVENTS + "\nEVENTS = False\n" + FORGERIES[lab.name], "forgery", "exec"),
+         {"record": lambda name, value: records.__setitem__(name, json.loads(json.dumps(value)))})
+    return records
+
+
+@pytest.fixture(scope="module", params=sorted(FORGERIES))
+def graded(request, tmp_path_factory):
+    """One lab graded (-j 2, its grading parameters): student copy, forged records, forged records and events."""
+    lab = ROOT / "labs" / request.param
+    tmp = tmp_path_factory.mktemp(request.param)
+    subs = tmp / "submissions"
+    release_lab(lab, subs / "student_copy")
+    for name, events in (("forged_records", False), ("forged_events", True)):
+        (subs / f"{name}.ipynb").write_text(json.dumps(forged_notebook(lab, events)))
+    start = time.monotonic()
+    batch = grade(lab, [subs / "student_copy", subs / "forged_records.ipynb", subs / "forged_events.ipynb"],
+                  tmp / "out", GradeOptions(jobs=2))
+    print(f"{lab.name}: graded 3 submissions in {time.monotonic() - start:.0f} s")
+    return lab, {r.student: r for r in batch.results}
+
+
+def _points(result) -> str:
+    return f"{result.score}/{result.max_score} ({result.status}: {result.message})"
+
+
+@pytest.mark.slow
+def test_forged_records_score_no_more_than_the_student_copy(graded):
+    lab, by = graded
+    student = by["student_copy"]
+    assert student.status == "cell_error" and "NotImplementedError" in student.message, _points(student)
+    for name in ("forged_records", "forged_events"):
+        forged = by[name]
+        assert forged.status == "ok", f"{name}: {_points(forged)}"
+        assert forged.score <= student.score, f"{lab.name} {name}: {_points(forged)} > student copy " \
+                                              f"{_points(student)}"
+
+
+@pytest.mark.slow
+def test_forged_records_fail_for_want_of_a_real_run(graded):
+    lab, by = graded
+    for c in by["forged_records"].checks:
+        assert c.outcome in ("fail", "missing") and c.points == 0, f"{c.name}: {c.outcome} {c.message}"
+    messages = {c.message for c in by["forged_records"].checks}
+    assert any("made no training run" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_hand_written_event_files_are_rejected_as_implausible(graded):
+    lab, by = graded
+    forged = by["forged_events"]
+    assert forged.score == 0, _points(forged)
+    messages = " ".join(c.message for c in forged.checks)
+    assert "with implausible events were rejected" in messages, messages
+
+
+@pytest.mark.parametrize("lab", sorted(FORGERIES))
+def test_the_forgeries_fit_the_recomputation_checks(lab):
+    # What makes the forgeries worth testing: without the evidence they would pass the lab's cross-checks.
+    lab_dir = ROOT / "labs" / lab
+    checks = [copy.copy(c) for c in lab_checks(lab_dir)]
+    for c in checks:
+        c.needs_run = False
+    results = run_checks(checks, forged_records(lab_dir))
+    earned, most = sum(r.points for r in results), sum(r.max_points for r in results)
+    unmet = [f"{r.name}: {r.message}" for r in results if r.outcome != "pass" and "grader.runs" not in r.message]
+    assert not unmet, unmet  # every check that does not read the evidence passes
+    assert earned >= 0.6 * most, f"{earned}/{most}"
+
+
+@pytest.mark.parametrize("lab", sorted(FORGERIES))
+def test_the_hand_written_events_would_pass_but_for_the_plausibility_check(lab, tmp_path, monkeypatch):
+    # The forged events agree with the forged records: only their timing gives them away.
+    lab_dir = ROOT / "labs" / lab
+    records: dict = {}
+    monkeypatch.chdir(tmp_path)
+    exec(compile(FAKE_EVENTS + "\nEVENTS = True\n" + FORGERIES[lab], "forgery", "exec"),
+         {"record": lambda name, value: records.__setitem__(name, json.loads(json.dumps(value)))})
+    found = run_evidence(tmp_path)
+    assert found[RUNS] and all(any("passed since the event before" in why for why in run["implausible"])
+                               for run in found[RUNS].values())
+    for run in found[RUNS].values():
+        run["implausible"] = []
+    results = run_checks(lab_checks(lab_dir), {**records, **found})
+    assert all(r.outcome == "pass" for r in results), [f"{r.name}: {r.message}" for r in results if r.outcome != "pass"]
+
+
+# -- plausibility, without a kernel --------------------------------------------------------------------------------
+
+def _engine_like(run_dir: Path, world=2, steps=5, step_s=0.002, start_step=0, pace=True, **end):
+    """Events as the training loop writes them: paced by real step time when `pace`."""
+    writers = [EventWriter(run_dir, rank) for rank in range(world)]
+    for w in writers:
+        w.emit("start", world_size=world, start_step=start_step, total_steps=start_step + steps)
+    for step in range(start_step + 1, start_step + steps + 1):
+        if pace:
+            time.sleep(step_s)
+        for w in writers:
+            w.emit("step", step=step, loss=1.0 / step, samples=8, step_s=step_s, data_s=0.0, compute_s=step_s,
+                   comm_s=0.0, samples_per_s=8 / step_s)
+    for w in writers:
+        w.emit("end", **{"steps": start_step + steps, "final_loss": 1.0 / (start_step + steps),
+                         "elapsed_s": (steps + 1) * step_s + 0.01, **end})
+        w.close()
+
+
+def _verdict(tmp_path, **kw) -> list[str]:
+    return run_evidence(tmp_path, **kw)[RUNS]["run"]["implausible"]
+
+
+def test_events_paced_like_a_real_run_are_plausible_and_a_resume_appends_a_launch(tmp_path):
+    _engine_like(tmp_path / "run")
+    _engine_like(tmp_path / "run", steps=3, start_step=4)  # a resume from step 4
+    found = run_evidence(tmp_path, started=time.time() - 60)[RUNS]["run"]
+    assert found["implausible"] == []
+    assert (found["launches"], found["start_step"], found["steps"], found["world_size"]) == (2, 4, 7, 2)
+    assert found["loss_curve"] == [1 / 5, 1 / 6, 1 / 7]  # the last launch, as Run.wait() reported it
+
+
+def test_events_written_at_once_are_implausible(tmp_path):
+    _engine_like(tmp_path / "run", step_s=0.05, pace=False)
+    assert any("passed since the event before" in r for r in _verdict(tmp_path))
+
+
+def test_events_from_before_the_run_or_from_the_future_are_implausible(tmp_path):
+    _engine_like(tmp_path / "run")
+    assert any("before this run started" in r for r in _verdict(tmp_path, started=time.time() + 600))
+    assert any("in the future" in r for r in _verdict(tmp_path, now=time.time() - 600))
+
+
+def test_steps_that_do_not_rise_or_a_world_size_that_does_not_match_are_implausible(tmp_path):
+    _engine_like(tmp_path / "run")
+    rank0 = tmp_path / "run" / "events" / "rank-0.jsonl"
+    lines = rank0.read_text().splitlines()
+    rank0.write_text("\n".join([lines[0], lines[2], lines[1], *lines[3:]]) + "\n")  # step 2 before step 1
+    assert any("step 1 after step 2" in r for r in _verdict(tmp_path))
+    _engine_like(tmp_path / "run", world=1)  # rank-1.jsonl stays from before: 2 files, a start saying 1
+    assert any("world size" in r for r in _verdict(tmp_path))
+
+
+def test_a_final_loss_that_is_not_the_mean_of_the_ranks_is_implausible(tmp_path):
+    _engine_like(tmp_path / "run", final_loss=0.01)
+    assert any("not the mean" in r for r in _verdict(tmp_path))
+
+
+def test_samples_per_s_that_do_not_follow_from_the_step_are_implausible(tmp_path):
+    w = EventWriter(tmp_path / "run", 0)
+    w.emit("start", world_size=1, start_step=0, total_steps=1)
+    time.sleep(0.01)
+    w.emit("step", step=1, loss=1.0, samples=8, step_s=0.01, data_s=0.0, compute_s=0.01, samples_per_s=8000.0)
+    w.close()
+    assert any("samples/s is not samples over step time" in r for r in _verdict(tmp_path))
