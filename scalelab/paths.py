@@ -45,6 +45,32 @@ def kernels_dir() -> Path:
     return checkout_root() / "kernels"
 
 
+def cluster_state_dir() -> Path:
+    """The local Slurm's state folder: $SCALELAB_CLUSTER_DIR; else /var/lib/scalelab/cluster as root,
+    ~/.cache/scalelab/cluster otherwise (`scalelab.cluster.local` runs the daemons there)."""
+    env = os.environ.get("SCALELAB_CLUSTER_DIR", "").strip()
+    if env:
+        return Path(env).expanduser()
+    if os.geteuid() == 0:
+        return Path("/var/lib/scalelab/cluster")
+    return Path.home() / ".cache" / "scalelab" / "cluster"
+
+
+#: Where Slurm and munge keep what lets a process submit jobs or get credentials (sockets, keys, configuration).
+SCHEDULER_PATHS = ("/run/munge", "/var/run/munge", "/etc/munge", "/var/lib/munge", "/etc/slurm", "/run/slurm",
+                   "/var/spool/slurmd", "/var/lib/slurm")
+
+
+def scheduler_paths() -> list[Path]:
+    """The scheduler's paths on this machine (the local cluster's state folder, munge's and Slurm's own), which a
+    graded run must not reach: munge's socket hands out credentials across network namespaces."""
+    found = [cluster_state_dir(), *map(Path, SCHEDULER_PATHS)]
+    conf = os.environ.get("SLURM_CONF", "").strip()
+    if conf:
+        found.append(Path(conf).parent)
+    return [p for p in found if os.path.lexists(p)]
+
+
 def venv_bin() -> Path:
     """The bin directory of the running interpreter's environment (the venv's when run from it)."""
     return Path(sys.prefix) / "bin"

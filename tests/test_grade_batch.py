@@ -8,12 +8,14 @@ mean_is_right 2 + loss_is_small 2; hidden loss_matches_the_run 3 + w_is_the_mean
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -34,22 +36,37 @@ LAB = FIX / "labs" / "90_fixture"
 HIDDEN_SOURCE_BITS = (make_fixtures.SECRET, "math.isclose", "_expected_mean", "abs_tol")
 
 
-def _sandbox_uids() -> set[int]:
+def _sandbox_uids(looks: int = 20) -> set[int]:
+    """Throwaway uids with a live process, over `looks` looks 50 ms apart (a pid-hopping daemon is missed by
+    some looks, never by all of them)."""
     found = set()
-    for p in psutil.process_iter(["uids"]):
-        found.update(u for u in (p.info["uids"] or []) if UID_RANGE[0] <= u < UID_RANGE[1])
+    for _ in range(looks):
+        for p in psutil.process_iter(["uids", "status"]):
+            if p.info["status"] != psutil.STATUS_ZOMBIE:  # dead: an orphan waits for the machine's init to reap it
+                found.update(u for u in (p.info["uids"] or []) if UID_RANGE[0] <= u < UID_RANGE[1])
+        time.sleep(0.05)
     return found
 
 
+LONG_NAME = "long_" + "x" * 240  # near the 255-byte limit of a file name
+UNICODE_NAME = "Zoë_李雷"
+FORMULA_NAME = "+SUM(1,2)"
+
+
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory):
-    """Grade every fixture submission plus the released student copy and a network probe, -j 2."""
+def batch(tmp_path_factory, slurm_cluster):
+    """Grade every fixture submission plus the released student copy, a network probe and correct notebooks
+    under hostile names, -j 2 (with the local Slurm up, so that its munge socket exists to be attacked)."""
+    assert (slurm_cluster.state_dir / "munge" / "munge.socket").exists()
     tmp = tmp_path_factory.mktemp("batch")
     extra = tmp / "extra"
     extra.mkdir()
     release_lab(LAB, tmp / "student" / "90_fixture")
     shutil.copyfile(tmp / "student" / "90_fixture" / "lab.ipynb", extra / "student_copy.ipynb")
+    for name in (LONG_NAME, UNICODE_NAME, FORMULA_NAME):
+        shutil.copyfile(FIX / "submissions" / "correct.ipynb", extra / f"{name}.ipynb")
     subs = sorted(str(p) for p in (FIX / "submissions").glob("*.ipynb"))
+    subs += [str(extra / f"{name}.ipynb") for name in (LONG_NAME, UNICODE_NAME, FORMULA_NAME)]
     with socket.socket() as server:  # a port on the host that a submission must not reach
         server.bind(("127.0.0.1", 0))
         server.listen(8)
@@ -59,8 +76,14 @@ def batch(tmp_path_factory):
             code = main(["grade", str(LAB), *subs, str(extra / "student_copy.ipynb"), str(extra / "network.ipynb"),
                          "-j", "2", "--out", str(out), "--json"])
     data = json.loads(stdout.getvalue())
-    return {"code": code, "out": out, "data": data, "uids_after": _sandbox_uids(),
-            "by": {r["student"]: r for r in data["results"]}}
+    by = {r["student"]: r for r in data["results"]}
+    ours = {r["sandbox"].get("uid") for r in data["results"]} - {None}  # other graders may run beside this test
+    return {"code": code, "out": out, "data": data, "uids_after": _sandbox_uids() & ours, "by": by,
+            "by_prefix": {"long_": next(n for n in by if n.startswith("long_"))}}
+
+
+ATTACKS = ("pid_hopper", "proc_snoop", "kills_runner", "writes_outcome", "munge", "flood_output",
+           "injected_parameters", "foreign_kernel", "reassigns_parameters")
 
 
 @pytest.fixture
@@ -80,7 +103,8 @@ def test_every_submission_is_graded_and_the_cli_succeeds(batch):
     assert batch["code"] == 0
     assert sorted(batch["by"]) == sorted(["correct", "wrong_answer", "missing_record", "infinite_loop", "os_exit",
                                           "reads_hidden", "forged_record", "huge_output", "stderr_output",
-                                          "malformed", "untagged_parameters", "student_copy", "network"])
+                                          "malformed", "untagged_parameters", "student_copy", "network",
+                                          *ATTACKS, batch["by_prefix"]["long_"], UNICODE_NAME, FORMULA_NAME])
     assert all(r["max_score"] == 8 for r in batch["data"]["results"])
 
 
@@ -196,7 +220,7 @@ def test_reports_gradebook_and_feedback(batch):
     rows = (out / "gradebook.csv").read_text().splitlines()
     assert rows[0].startswith("student,percent,score,max_score,status,message,mean_is_right,loss_is_small,"
                               "loss_matches_the_run (hidden),w_is_the_mean (hidden)")
-    assert len(rows) == 1 + 13 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
+    assert len(rows) == 1 + 25 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
     page = (out / "feedback" / "wrong_answer.html").read_text()
     assert "6 / 8 (75 %)" in page and "w did not converge" in page and "(hidden check)" in page
     assert json.loads((out / "results" / "forged_record.json").read_text())["score"] == 5
@@ -207,3 +231,85 @@ def test_reports_gradebook_and_feedback(batch):
 def test_no_process_of_any_submission_survives_the_batch(batch):
     assert batch["uids_after"] == set()
     assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+# -- attacks and accidents (issue 16) -----------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("_as_root")
+def test_a_pid_hopping_daemon_does_not_outlive_its_run(batch):
+    r = batch["by"]["pid_hopper"]
+    assert (r["status"], r["score"]) == ("ok", 8)
+    assert read_records(batch["out"] / r["notebook"])["hopper_started"] is True and r["sandbox"]["uid"]
+    assert batch["uids_after"] == set()  # 20 looks over a second after the batch: no process of any run
+
+
+@pytest.mark.usefixtures("_as_root")
+def test_proc_shows_a_run_only_its_own_processes(batch):
+    r = batch["by"]["proc_snoop"]
+    records = read_records(batch["out"] / r["notebook"])
+    assert records["other_jobs_seen"] == []  # -j 2: another submission's runner ran beside it on the host
+    assert 2 <= records["proc_count"] <= 12, records  # init, runner, papermill, kernel (and helpers)
+    assert r["sandbox"]["processes"] == "own PID namespace"
+
+
+@pytest.mark.usefixtures("_as_root")
+def test_killing_the_runner_from_inside_is_the_students_own_status_not_a_grader_error(batch):
+    r = batch["by"]["kills_runner"]
+    assert r["status"] == "killed", r
+    assert "killed before the notebook finished" in r["message"]
+    assert r["score"] == 8  # everything recorded before the kill still counts
+
+
+@pytest.mark.usefixtures("_as_root")
+def test_an_outcome_written_by_the_students_code_decides_nothing(batch):
+    r = batch["by"]["writes_outcome"]
+    assert r["status"] == "cell_error" and r["execution"]["ename"] == "RuntimeError", r
+    assert not any("=1+1" in n for n in r["notes"]) and "HYPERLINK" not in r["message"]
+    written = read_records(batch["out"] / r["notebook"])["outcome_written"]
+    assert written and not any(w.endswith(".outcome.json") for w in written)  # the runner's own: out of reach
+
+
+@pytest.mark.usefixtures("_as_root")
+def test_the_schedulers_munge_socket_is_out_of_reach(batch):
+    r = batch["by"]["munge"]
+    assert read_records(batch["out"] / r["notebook"])["munge_reachable"] == []
+
+
+def test_a_hundred_megabytes_of_output_keeps_the_records_and_the_marks(batch):
+    r = batch["by"]["flood_output"]
+    assert (r["status"], r["score"]) == ("ok", 8), r
+    stored = (batch["out"] / r["notebook"]).read_text()
+    assert "more output cut by the grader while the notebook ran" in stored and len(stored) < 300_000
+
+
+def test_an_injected_parameters_cell_is_removed_and_the_graders_values_win(batch):
+    r = batch["by"]["injected_parameters"]
+    assert (r["status"], r["score"]) == ("ok", 8)
+    assert read_records(batch["out"] / r["notebook"])["n"] == 500  # lab.yaml's, not the student's 1000
+    assert any("tagged 'injected-parameters' and were removed" in n for n in r["notes"]), r["notes"]
+
+
+def test_a_foreign_kernelspec_is_reported_and_the_parameters_still_apply(batch):
+    r = batch["by"]["foreign_kernel"]
+    assert (r["status"], r["score"]) == ("ok", 8), r
+    assert read_records(batch["out"] / r["notebook"])["n"] == 500
+    assert any("asked for the kernel 'ir'" in n for n in r["notes"]), r["notes"]
+
+
+def test_a_later_cell_that_reassigns_a_parameter_is_reported(batch):
+    r = batch["by"]["reassigns_parameters"]
+    assert any("assigns ['n'], which the grader sets" in n for n in r["notes"]), r["notes"]
+
+
+def test_long_unicode_and_formula_names_are_graded_and_neutralised_in_the_gradebook(batch):
+    long_name = batch["by_prefix"]["long_"]
+    for name in (long_name, UNICODE_NAME, FORMULA_NAME):
+        assert (batch["by"][name]["status"], batch["by"][name]["score"]) == ("ok", 8), name
+    assert len(long_name) == 100
+    for sub in ("results", "feedback", "notebooks"):
+        assert all(len(p.name.encode()) < 100 for p in (batch["out"] / sub).iterdir()), sub
+    with open(batch["out"] / "gradebook.csv", newline="", encoding="utf-8") as f:
+        rows = {row[0]: row for row in csv.reader(f)}
+    assert f"'{FORMULA_NAME}" in rows and FORMULA_NAME not in rows  # shown as text, never run as a formula
+    assert UNICODE_NAME in rows and long_name in rows
+    assert not any(cell.startswith(("=", "+", "-", "@")) for row in rows.values() for cell in row)

@@ -140,28 +140,103 @@ def test_memory_limit_stops_a_big_allocation():
     assert "MemoryError" in proc.stderr and "allocated" not in proc.stdout
 
 
-@root_only
-def test_cleanup_kills_a_daemon_the_run_left_behind():
-    plan = plan_sandbox(SandboxPolicy(memory_mb=None))
-    # Double fork + setsid: the daemon escapes the process tree, but not its throwaway uid.
-    code = """
-    import os, time
+# A daemon that escapes the process tree (double fork + setsid) and then hops: every 20 ms it forks a copy of itself
+# and exits, so its pid keeps changing and a list of pids taken once is always out of date.
+# Each hop writes its count to BEAT, so the test can tell whether it still lives (a list of its pids cannot).
+PID_HOPPER = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
     if os.fork() == 0:
-        os.setsid()
-        if os.fork() == 0:
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            time.sleep(300)
-        os._exit(0)
-    time.sleep(0.5)
-    """
-    _confined(plan, code)
-    daemons = [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and plan.uid in p.info["uids"]]
-    assert daemons, "the test daemon did not start"
-    assert cleanup(plan) >= 1
-    time.sleep(0.2)
-    assert not [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and plan.uid in p.info["uids"]]
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        n = 0
+        while True:
+            time.sleep(0.02)
+            n += 1
+            if BEAT:
+                with open(BEAT, "w") as f:
+                    f.write(str(n))
+            if os.fork():
+                os._exit(0)
+    os._exit(0)
+time.sleep(0.5)
+print("started")
+"""
+
+
+def _beats(path: Path, wait: float) -> bool:
+    """Whether the hopper's heartbeat file changes within `wait` seconds."""
+    before = path.read_text() if path.exists() else None
+    time.sleep(wait)
+    return (path.read_text() if path.exists() else None) != before
+
+
+def _of_uid(uid: int) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["uids", "status"])
+            if p.info["uids"] and uid in p.info["uids"] and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+@root_only
+def test_a_pid_hopping_daemon_dies_with_the_runs_pid_namespace(open_tmp):
+    open_tmp.chmod(0o777)
+    beat = open_tmp / "beat"
+    plan = plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False))
+    assert plan.pidns
+    try:
+        proc = _confined(plan, PID_HOPPER.replace("BEAT", repr(str(beat))))
+        assert proc.stdout.strip() == "started", proc.stderr
+        assert beat.exists()  # it did hop inside the run
+        alive = _beats(beat, 0.5)  # before any clean-up of ours: the namespace's end took the daemon with it
+    finally:
+        cleanup(plan)
+    assert not alive and _of_uid(plan.uid) == []
+
+
+@root_only
+def test_cleanup_kills_a_pid_hopping_daemon_by_uid_until_none_is_left(open_tmp):
+    open_tmp.chmod(0o777)
+    beat = open_tmp / "beat"
+    plan = plan_sandbox(SandboxPolicy(memory_mb=None))
+    try:  # started as the run's uid outside any namespace: as if it had escaped the run's init and subreaper
+        proc = subprocess.run([sys.executable, "-c", PID_HOPPER.replace("BEAT", repr(str(beat)))], user=plan.uid,
+                              group=plan.gid, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
+        assert proc.stdout.strip() == "started", proc.stderr
+        assert _beats(beat, 0.5), "the daemon should be alive and hopping"
+        cleanup(plan)
+        assert not _beats(beat, 1.0)  # 50 hops' time, had one survived
+        assert _of_uid(plan.uid) == []
+    finally:
+        cleanup(plan)
+
+
+@root_only
+def test_proc_shows_only_the_runs_own_processes():
+    # A process on the host whose command line names a classmate: a run must not see it.
+    witness = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "classmate-alice-secret"])
+    try:
+        code = """
+        import os
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+        lines = []
+        for pid in pids:
+            try:
+                lines.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(bytes(1), b" ").decode())
+            except OSError:
+                pass
+        print(len(pids), os.getpid())
+        print(chr(10).join(lines))
+        """
+        confined = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)), code)
+        unconfined = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    finally:
+        witness.kill()
+        witness.wait()
+    assert "classmate-alice-secret" in unconfined.stdout  # the same look does see it on the host
+    assert "classmate-alice-secret" not in confined.stdout, confined.stdout
+    count, own_pid = map(int, confined.stdout.split("\n")[0].split())
+    assert count <= 3 and own_pid <= 3, confined.stdout  # the init, the confined process and nothing else
 
 
 @root_only

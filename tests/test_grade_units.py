@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import shutil
 from pathlib import Path
 
@@ -110,11 +111,15 @@ def test_cap_text_and_cap_notebook_cut_long_outputs():
 
 # -- evidence ----------------------------------------------------------------------------------------------------
 
-def _fake_run(workdir: Path, rel: str, losses: list[float]):
+def _fake_run(workdir: Path, rel: str, losses: list[float], step_s: float = 0.01):
+    """Events as the training loop writes them (a start event, steps paced by their real time, an end event)."""
     ev = EventWriter(workdir / rel, rank=0)
+    ev.emit("start", world_size=1, start_step=0, total_steps=len(losses))
     for i, loss in enumerate(losses, 1):
-        ev.emit("step", step=i, loss=loss, samples=4, step_s=0.1, data_s=0.0, compute_s=0.1, comm_s=0.0)
-    ev.emit("end", final_loss=losses[-1])
+        time.sleep(step_s)
+        ev.emit("step", step=i, loss=loss, samples=4, step_s=step_s, data_s=0.0, compute_s=step_s, comm_s=0.0,
+                samples_per_s=4 / step_s)
+    ev.emit("end", steps=len(losses), final_loss=losses[-1], elapsed_s=(len(losses) + 1) * step_s)
     ev.close()
 
 

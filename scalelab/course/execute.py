@@ -18,6 +18,11 @@ notebook's folder, as in JupyterLab. `cell_timeout` is rounded up to whole secon
 `total_timeout` counts from the call, kernel start-up included; None means no limit. `env` is merged over
 os.environ for the kernel. Records are read back even when the run failed, up to the last cell saved.
 
+Output: `output_limit` (characters per cell; None: no limit) cuts what a cell prints *while it runs*: the rest of
+its stream output is dropped with a note, and any other output bigger than the limit is replaced by a note
+(recorded values are never cut). Papermill saves the notebook as it goes, so a cell printing gigabytes would
+otherwise make the output notebook too big to read, its records with it.
+
 Kernel: `kernel_name=None` (the default) means *this interpreter* (sys.executable), whatever the notebook's
 metadata or a `python3` kernelspec elsewhere says: the child writes a private kernelspec into a temporary
 JUPYTER_PATH entry. Pass a name to use an installed kernelspec instead.
@@ -142,7 +147,8 @@ class NotebookResult:
 
 def execute_notebook(path, parameters: dict | None = None, *, output_path=None, cwd=None,
                      cell_timeout: float | None = 120, total_timeout: float | None = 600,
-                     kernel_name: str | None = None, env: dict | None = None) -> NotebookResult:
+                     kernel_name: str | None = None, env: dict | None = None,
+                     output_limit: int | None = None) -> NotebookResult:
     """Run `path` with papermill in a killable child; see the module docstring for the contract."""
     start = time.monotonic()
     path = Path(path).resolve()
@@ -160,7 +166,8 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
     out.parent.mkdir(parents=True, exist_ok=True)
     job = {"input": str(path), "output": str(out), "parameters": parameters,
            "cwd": str(Path(cwd).resolve() if cwd else path.parent), "kernel_name": kernel_name,
-           "cell_timeout": None if cell_timeout is None else max(1, math.ceil(cell_timeout))}
+           "cell_timeout": None if cell_timeout is None else max(1, math.ceil(cell_timeout)),
+           "output_limit": output_limit}
     outcome, timed_out = _run_child(job, env, None if total_timeout is None else start + total_timeout)
     if outcome.get("status") == "internal" and not timed_out:
         raise NotebookError(f"could not execute {path}: {outcome['message']}", str(path), str(out))
@@ -361,10 +368,13 @@ def _papermill(job: dict, kernel_name: str) -> dict:
     import traceback
     import papermill
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    engine = {}
+    if job.get("output_limit"):
+        engine = {"engine_name": _register_capped_engine(), "output_limit": int(job["output_limit"])}
     try:
         papermill.execute_notebook(job["input"], job["output"], parameters=job["parameters"], cwd=job["cwd"],
                                    kernel_name=kernel_name, execution_timeout=job["cell_timeout"],
-                                   progress_bar=False, log_output=False)
+                                   progress_bar=False, log_output=False, **engine)
         return {"status": "ok"}
     except papermill.PapermillExecutionError as e:
         return {"status": "cell_error", "message": f"{e.ename}: {e.evalue}"}
@@ -374,3 +384,53 @@ def _papermill(job: dict, kernel_name: str) -> dict:
         return {"status": "dead_kernel", "message": str(e)}
     except Exception as e:  # a harness problem (no such kernel, kernel never started): the parent raises it
         return {"status": "internal", "message": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+
+
+CAPPED_ENGINE = "scalelab-capped-output"
+
+
+def _register_capped_engine() -> str:
+    """Register (in this child process) papermill's nbclient engine with outputs capped per cell as they arrive."""
+    from papermill.clientwrap import PapermillNotebookClient
+    from papermill.engines import NBClientEngine, papermill_engines
+    from papermill.log import logger
+    from papermill.utils import merge_kwargs, remove_args
+    from ..record import MIME
+
+    class CappedClient(PapermillNotebookClient):
+        def __init__(self, nb_man, output_limit: int, **kw):
+            super().__init__(nb_man, **kw)
+            self._limit, self._sizes = output_limit, {}
+
+        def output(self, outs, msg, display_id, cell_index):
+            kind, content = msg["msg_type"], msg.get("content", {})
+            used = self._sizes.get(cell_index, 0)
+            if kind == "stream":
+                text = content.get("text", "")
+                if used >= self._limit:
+                    return None
+                self._sizes[cell_index] = used + len(text)
+                if used + len(text) > self._limit:
+                    text = (text[:self._limit - used] + f"\n[... more output cut by the grader while the notebook "
+                            f"ran: at most {self._limit:,} characters per cell are kept ...]\n")
+                    msg = {**msg, "content": {**content, "text": text}}
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                data = content.get("data", {})
+                if MIME not in data and len(json.dumps(data, default=str)) > self._limit:
+                    note = f"[output of {len(json.dumps(data, default=str)):,} characters cut by the grader]"
+                    msg = {**msg, "content": {**content, "data": {"text/plain": note}}}
+            return super().output(outs, msg, display_id, cell_index)
+
+    class CappedEngine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,
+                                     stderr_file=None, start_timeout=60, execution_timeout=None, **kwargs):
+            limit = kwargs.pop("output_limit")
+            kwargs = remove_args(["input_path", "timeout", "startup_timeout"], **kwargs)
+            final = merge_kwargs(kwargs, timeout=execution_timeout, startup_timeout=start_timeout,
+                                 kernel_name=kernel_name, log=logger, log_output=log_output, stdout_file=stdout_file,
+                                 stderr_file=stderr_file)
+            return CappedClient(nb_man, limit, **final).execute()
+
+    papermill_engines.register(CAPPED_ENGINE, CappedEngine)
+    return CAPPED_ENGINE

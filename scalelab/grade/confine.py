@@ -7,6 +7,7 @@ run refuses to start. `probe_main` is the child of `sandbox.verify_network_isola
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -14,14 +15,16 @@ import os
 import resource
 import socket
 import struct
+import sys
 from pathlib import Path
 
 from .sandbox import SandboxError, SandboxPlan, blocking_ancestor, inside
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x40000000, 0x10000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWUTS = 0x20000000, 0x04000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
@@ -35,37 +38,156 @@ def _call(name: str, *args) -> None:
 
 
 def apply_sandbox(plan: SandboxPlan) -> None:
-    """Confine this process (and all it will start) as `plan` says; raises SandboxError if a step fails."""
-    _call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the run come back to us, not to init
+    """Confine this process's future as `plan` says: return only in the confined process; raises SandboxError.
+
+    With a PID namespace (`plan.pidns`) the caller cannot enter it itself: it forks the namespace's init, waits
+    for it and exits with the confined process's status, so the code after this call runs confined either way.
+    """
+    pid = start_sandboxed(plan)
+    if pid:
+        os._exit(wait_status(pid))
+
+
+def start_sandboxed(plan: SandboxPlan, report_fd: int | None = None) -> int:
+    """Fork the confined process, like `os.fork()`: 0 in it (confined as `plan` says), the init's pid in the caller.
+
+    The caller keeps no confinement, its host namespaces and its uid (the grader's runner stays root and writes
+    the outcome where the run cannot). The child is an *init*: it makes the namespaces, covers and hides paths
+    and mounts a /proc of the new PID namespace, then forks the confined process (which drops to the throwaway uid
+    and checks for leaks) and reaps every orphan until that process ends. When the init exits, the kernel kills
+    every process left in its PID namespace, daemons that changed their pid included. Without a PID namespace
+    the init is a child subreaper and kills what is left itself.
+
+    A failure of the set-up is written as an outcome ({"status": "grader_error", ...}) to `report_fd` when
+    given, and the init exits with status 70.
+    """
+    if plan.pidns:
+        _call("unshare", CLONE_NEWPID)  # our next child is pid 1 of a new PID namespace; we stay where we are
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        role, code = _init(plan, report_fd)
+    except BaseException as e:  # noqa: BLE001 - the init must never return into the caller's code
+        _report_setup_failure(report_fd, e)
+        os._exit(70)
+    if role == "init":
+        os._exit(code)
+    return 0
+
+
+def _init(plan: SandboxPlan, report_fd: int | None) -> tuple[str, int]:
+    """The init's life: set up the namespaces, fork the confined process, reap until it ends.
+
+    Returns ("init", exit code) in the init, ("worker", 0) in the confined process."""
+    _call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the run come back to us, not to the host init
     if plan.cgroup:
-        Path(plan.cgroup, "cgroup.procs").write_text(str(os.getpid()))
-    mounts = bool(plan.hide or plan.cover or plan.expose or plan.private)
+        Path(plan.cgroup, "cgroup.procs").write_text("0")  # "0": the writer; its children are born inside
+    _unshare_and_mount(plan)
+    worker = os.fork()
+    if worker == 0:
+        try:
+            _drop_privileges(plan)
+        except BaseException as e:  # noqa: BLE001
+            _report_setup_failure(report_fd, e)
+            os._exit(70)
+        return "worker", 0
+    if report_fd is not None:
+        os.close(report_fd)  # only the confined process may still write an outcome
+    status = None
+    while True:
+        try:
+            pid, st = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if pid == worker:
+            status = st
+            if plan.pidns:
+                break  # our exit ends the PID namespace: the kernel kills everything left in it
+            _kill_descendants()
+    return "init", (70 if status is None else _exit_code(status))
+
+
+def _unshare_and_mount(plan: SandboxPlan) -> None:
+    mounts = bool(plan.hide or plan.cover or plan.expose or plan.private or plan.pidns)
     flags = (CLONE_NEWNET if plan.netns in ("root", "user") else 0) | (CLONE_NEWNS if mounts else 0)
     uid, gid = os.getuid(), os.getgid()
     if plan.userns or plan.netns == "user":
         flags |= CLONE_NEWUSER
     if flags:  # allowed to make namespaces: System V shared memory, semaphores and queues of the run's own too,
-        flags |= CLONE_NEWIPC  # gone with its last process (nothing left on the host, nothing of others seen)
+        flags |= CLONE_NEWIPC | CLONE_NEWUTS  # gone with its last process; and a host name of its own
         _call("unshare", flags)
     if flags & CLONE_NEWUSER:
         _map_ids(uid, gid)
+    if flags & CLONE_NEWUTS:
+        socket.sethostname("sandbox")
     if flags & CLONE_NEWNS:
         _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
         _expose(plan.expose, plan.cover, blocking=plan.uid is not None, private=plan.private,
                 writable=plan.writable, tmp_bytes=plan.tmp_bytes)
         _hide(plan.hide)
+        if plan.pidns:  # a /proc of our own PID namespace: the run sees its own processes only
+            _call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     if flags & CLONE_NEWNET:
         loopback_up()
+
+
+def _drop_privileges(plan: SandboxPlan) -> None:
+    """In the confined process: limits, the throwaway uid, no new privileges, not dumpable; then the leak check."""
     _limits(plan)
     if plan.uid is not None:
         os.setgroups([])
         os.setgid(plan.gid)
         os.setuid(plan.uid)
     _call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    leaks = confinement_leaks(plan) if mounts else []
+    # Not dumpable: the run's other processes (same uid) can neither trace this one nor open its /proc files
+    # (its file descriptors: the outcome pipe). A program it execs (the kernel) is dumpable again.
+    _call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    leaks = confinement_leaks(plan) if (plan.hide or plan.cover or plan.expose or plan.private) else []
     if leaks:
         raise SandboxError(f"hidden paths are still visible after confinement: {leaks[:5]}"
                            f"{' ...' if len(leaks) > 5 else ''}; the submission was not run")
+
+
+def _report_setup_failure(report_fd: int | None, e: BaseException) -> None:
+    import traceback
+    message = f"the sandbox could not be set up: {e}" if isinstance(e, (SandboxError, OSError)) else (
+        f"the sandbox could not be set up: {type(e).__name__}: {e}")
+    sys.stderr.write(message + "\n" + traceback.format_exc())
+    sys.stderr.flush()
+    if report_fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(report_fd, json.dumps({"status": "grader_error", "message": message}).encode())
+
+
+def _kill_descendants() -> None:
+    """Without a PID namespace: kill whatever of the run came back to us (subreaper), until nothing does."""
+    import psutil
+    for _ in range(50):
+        left = psutil.Process().children(recursive=True)
+        if not left:
+            return
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+
+
+def _exit_code(status: int) -> int:
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def wait_status(pid: int) -> int:
+    """Wait for child `pid`; its exit code (128 + signal when a signal ended it)."""
+    while True:
+        try:
+            return _exit_code(os.waitpid(pid, 0)[1])
+        except InterruptedError:
+            continue
 
 
 def _map_ids(uid: int, gid: int) -> None:
@@ -167,7 +289,7 @@ def confinement_leaks(plan: SandboxPlan) -> list[str]:
 
 def probe_main(plan_json: str, port: int) -> None:
     """Child side of `verify_network_isolation`: confine, then try the host's port."""
-    apply_sandbox(SandboxPlan.from_dict(json.loads(plan_json)))
+    apply_sandbox(SandboxPlan.from_dict(json.loads(plan_json)))  # returns in the confined process only
     with socket.socket() as s:
         s.settimeout(3)
         try:
@@ -178,4 +300,4 @@ def probe_main(plan_json: str, port: int) -> None:
                   or isinstance(e, socket.timeout) else f"error {e}")
 
 
-__all__ = ["apply_sandbox", "confinement_leaks", "loopback_up", "probe_main"]
+__all__ = ["apply_sandbox", "start_sandboxed", "wait_status", "confinement_leaks", "loopback_up", "probe_main"]

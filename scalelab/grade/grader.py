@@ -34,14 +34,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .checks import Check, CheckResult, lab_checks, run_checks
+from .report import file_key
 from .evidence import RUNS, run_evidence, strip_grader_records
-from .job import copy_submission, hidden_paths, job_base, run_job, runs_need, working_copy
+from .job import copy_submission, guard_parameters, hidden_paths, job_base, run_job, runs_need, working_copy
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
 from .sandbox import SandboxPlan, SandboxPolicy, cleanup, plan_sandbox
 from .untrusted import (MAX_OUTPUT_CHARS, UntrustedFileError, cap_notebook, cap_text, load_json_beneath,
                         tolerant_records)
 
-STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "malformed", "grader_error")
+STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "killed", "malformed", "grader_error")
 
 
 @dataclass
@@ -112,6 +113,23 @@ class BatchResult:
     duration_s: float
 
 
+MAX_NAME = 100
+
+
+def student_name(raw: str) -> str:
+    """A student's name as reports show it, from a file or folder name: any script kept (NFC), white space as '_',
+    control characters and separators replaced; at most MAX_NAME characters (a longer one keeps a hash of the
+    rest, so two long names stay two students). File names come from `report.file_key`."""
+    import hashlib
+    import unicodedata
+    name = unicodedata.normalize("NFC", raw)
+    name = "".join(ch if ch.isprintable() and ch not in "/\\" else "_" for ch in name)
+    name = re.sub(r"\s+", "_", name).strip("_").lstrip(".") or "student"
+    if len(name) > MAX_NAME:
+        name = f"{name[:MAX_NAME - 11]}~{hashlib.sha256(name.encode()).hexdigest()[:10]}"
+    return name
+
+
 def collect_submissions(paths: list[str | Path]) -> list[Submission]:
     """Submissions from paths: `alice.ipynb` is student 'alice', `alice/lab.ipynb` or `alice/` too."""
     subs, seen = [], {}
@@ -119,8 +137,7 @@ def collect_submissions(paths: list[str | Path]) -> list[Submission]:
         path = Path(raw)
         if path.is_dir():
             path = path / NOTEBOOK
-        student = path.parent.name if path.name == NOTEBOOK else path.stem
-        student = re.sub(r"[^A-Za-z0-9_.@+-]", "_", student).lstrip(".") or "student"
+        student = student_name(path.parent.name if path.name == NOTEBOOK else path.stem)
         if student in seen:
             raise GradingError(f"two submissions for student {student!r}: {seen[student]} and {path}; "
                                "name them <student>.ipynb or <student>/lab.ipynb")
@@ -196,16 +213,24 @@ def _grade_safely(ctx: _Context, sub: Submission) -> SubmissionResult:
         _score(result)
     result.duration_s = round(time.monotonic() - start, 3)
     from . import report
-    report.write_submission(ctx.out, result)
+    try:
+        report.write_submission(ctx.out, result)
+    except OSError as e:  # a full disk, say: the batch goes on, and the instructor's log says whose report is lost
+        with ctx.lock, open(ctx.out / "instructor" / "report_errors.txt", "a", encoding="utf-8") as f:
+            f.write(f"{result.student}: the report could not be written: {e}\n")
     return result
 
 
 def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     settings = ctx.lab.grading
     opts = ctx.options
-    job = Path(tempfile.mkdtemp(prefix=f"{sub.student[:40]}-", dir=ctx.base))
+    key = file_key(sub.student)
+    job = Path(tempfile.mkdtemp(prefix=f"{key[:40]}-", dir=ctx.base))
     result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
     problem = copy_submission(sub.path, job / "work")
+    parameters = {**settings.parameters, **(opts.parameters or {})}
+    if not problem:
+        result.notes += guard_parameters(job / "work" / NOTEBOOK, ctx.lab.path / NOTEBOOK, parameters)
     own = sub.path.parent if sub.path.name == NOTEBOOK else None  # <student>/lab.ipynb: the folder is theirs
     taken = working_copy(ctx.lab, job, own)
     shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
@@ -225,10 +250,10 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
         if problem:
             outcome = {"status": "malformed", "message": problem}
         else:
-            outcome = run_job(job, plan, {**settings.parameters, **(opts.parameters or {})},
+            outcome = run_job(job, plan, parameters,
                               opts.cell_timeout_s or settings.cell_timeout_s,
                               opts.total_timeout_s or settings.total_timeout_s,
-                              ctx.out / "instructor" / "logs" / f"{sub.student}.log")
+                              ctx.out / "instructor" / "logs" / f"{key}.log")
     finally:
         cleanup(plan)
     _collect(ctx, job, sub, outcome, result, shipped)
@@ -252,14 +277,23 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
         if result.status != "malformed":
             result.notes.append(f"the executed notebook could not be read back, so no records were: {e}")
     if nb is not None:
-        records, problems = tolerant_records(nb)
+        try:
+            records, problems = tolerant_records(nb)
+        except Exception as e:  # noqa: BLE001 - what the notebook wrote is the student's, not the grader's fault
+            records, problems = {}, [f"the notebook's recorded values could not be read ({type(e).__name__}): "
+                                     "none counted"]
         result.notes += problems[:10]
     records, forged = strip_grader_records(records)
     if forged:
-        result.notes.append(f"records in the grader's namespace were ignored: {forged}")
+        result.notes.append(f"records in the grader's namespace were ignored: {cap_text(str(forged), 300)}")
     if result.status not in ("malformed",):
-        found = run_evidence(job / "work")
-        found[RUNS] = {k: v for k, v in found[RUNS].items() if k not in shipped}
+        try:
+            found = run_evidence(job / "work")
+            found[RUNS] = {k: v for k, v in found[RUNS].items() if k not in shipped}
+        except Exception as e:  # noqa: BLE001 - event files are written by the student's processes
+            found = {}
+            result.notes.append(f"the run's event files could not be read ({type(e).__name__}: "
+                                f"{cap_text(str(e), 200)}): checks that compare with them find no run")
         records.update(found)
     result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
     result.checks = run_checks(ctx.checks, records)
@@ -306,6 +340,10 @@ def student_message(status: str, ex: dict, raw: Any, ctx: _Context, result: Subm
     if status == "dead_kernel":
         return (f"the kernel died in {where}: os._exit, a crash, or more memory than the "
                 f"{result.sandbox.get('memory', 'allowed')} allowed")
+    if status == "killed":
+        return ("the run's grading process was killed before the notebook finished (in or after "
+                f"{where}): a process of the notebook killed it, or the run used more memory than the "
+                f"{result.sandbox.get('memory', 'allowed')} allowed")
     if status == "malformed":
         text = re.sub(r"(/[^\s:]*/)+", "", cap_text(raw, 500))  # the grader's paths mean nothing to students
         return "the submission is not a notebook the grader can run: " + text.removeprefix(f"{NOTEBOOK}: ")
@@ -320,10 +358,10 @@ def _score(result: SubmissionResult) -> None:
 def _store_notebook(out: Path, student: str, nb: dict) -> str:
     import json
     nb, cuts = cap_notebook(nb)
-    rel = Path("notebooks") / f"{student}.ipynb"
+    rel = Path("notebooks") / f"{file_key(student)}.ipynb"
     (out / rel).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return rel.as_posix()
 
 
-__all__ = ["GradeOptions", "Submission", "SubmissionResult", "BatchResult", "STATUSES", "collect_submissions",
+__all__ = ["GradeOptions", "Submission", "SubmissionResult", "BatchResult", "STATUSES", "collect_submissions", "student_name",
            "grade", "student_message"]

@@ -5,7 +5,9 @@
                          folder) + the submission as lab.ipynb
       home/ tmp/         HOME and TMPDIR of the run
       out/lab.ipynb      the executed notebook (untrusted: read back with `untrusted`)
-      job.json           what the runner must do; outcome.json: what it says happened (untrusted)
+      job.json           what the runner must do
+    job.outcome.json     beside the job folder, in the batch folder the run cannot write to: what the runner
+                         (root, outside the run's namespaces) says happened
 """
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ from pathlib import Path
 
 from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
 from ..course.release import student_file
-from ..paths import checkout_root, labs_dir
+from ..paths import checkout_root, labs_dir, scheduler_paths
 from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
 RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit
 MAX_SUBMISSION_BYTES = 32 * 2**20
+OUTPUT_LIMIT = 200_000  # characters a cell may print while it runs (the rest is cut with a note; records never)
 # The environment a submission sees: nothing else of the grader's (tokens, passwords) reaches student code.
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "VIRTUAL_ENV", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -42,6 +45,97 @@ def copy_submission(path: Path, work: Path) -> str | None:
                 f"{MAX_SUBMISSION_BYTES // 2**20} MiB a submission may have: clear the outputs and submit again")
     shutil.copyfile(path, work / NOTEBOOK)
     return None
+
+
+INJECTED_TAG = "injected-parameters"
+PYTHON_KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+
+
+def guard_parameters(notebook: Path, reference: Path, parameters: dict) -> list[str]:
+    """Make the grader's parameters win in the submitted `notebook` (rewritten in place); notes for the student.
+
+    - cells tagged `injected-parameters` are removed: papermill would replace the *first* of them with the
+      grader's values, so one placed above the parameters cell let the student's values run after them;
+    - a kernelspec or language other than Python is replaced: papermill writes parameters in the notebook's
+      language, and the run uses the course's Python kernel in any case;
+    - a parameters cell that differs from the lab's, and later cells that assign a parameter the grader sets,
+      are reported (the grader's values are injected right after the parameters cell).
+    A file that is not a notebook is left alone: running it reports that.
+    """
+    try:
+        nb = json.loads(notebook.read_text(encoding="utf-8"))
+        cells = nb["cells"]
+        if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
+            return []
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return []
+    notes = []
+    injected = [i for i, c in enumerate(cells) if INJECTED_TAG in _tags(c)]
+    if injected:
+        nb["cells"] = cells = [c for c in cells if INJECTED_TAG not in _tags(c)]
+        notes.append(f"cell(s) {injected} were tagged '{INJECTED_TAG}' and were removed: the grader sets the "
+                     "parameters itself, right after the cell tagged 'parameters'")
+    meta = nb.get("metadata") if isinstance(nb.get("metadata"), dict) else {}
+    spec = meta.get("kernelspec") if isinstance(meta.get("kernelspec"), dict) else {}
+    lang = (meta.get("language_info") or {}).get("name") if isinstance(meta.get("language_info"), dict) else None
+    if spec.get("language", "python") != "python" or lang not in (None, "python"):
+        notes.append(f"your notebook asked for the kernel {str(spec.get('name'))[:60]!r} (language "
+                     f"{str(spec.get('language') or lang)[:30]!r}): it was graded on the course's Python kernel")
+    meta["kernelspec"] = dict(PYTHON_KERNELSPEC)
+    meta["language_info"] = {"name": "python"}
+    nb["metadata"] = meta
+    mine = next((i for i, c in enumerate(cells) if "parameters" in _tags(c)), None)
+    theirs = _parameters_source(reference)
+    if mine is not None and theirs is not None and _squash(_source(cells[mine])) != _squash(theirs):
+        notes.append("your parameters cell differs from the lab's: the grader's values of "
+                     f"{sorted(parameters)} were set right after it; the rest of your changes there were kept")
+    if mine is not None and parameters:
+        for i, c in enumerate(cells[mine + 1:], start=mine + 1):
+            hit = sorted(_assigned(_source(c)) & set(parameters)) if c.get("cell_type") == "code" else []
+            if hit:
+                notes.append(f"cell {i} assigns {hit}, which the grader sets as parameters: the values the "
+                             "grader chose were overwritten there")
+    notebook.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
+    return notes[:10]
+
+
+def _tags(cell: dict) -> list:
+    meta = cell.get("metadata")
+    tags = meta.get("tags", []) if isinstance(meta, dict) else []
+    return tags if isinstance(tags, list) else []
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(x for x in src if isinstance(x, str)) if isinstance(src, list) else str(src)
+
+
+def _squash(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines() if line.strip())
+
+
+def _parameters_source(reference: Path) -> str | None:
+    try:
+        cells = json.loads(reference.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return next((_source(c) for c in cells if "parameters" in _tags(c)), None)
+
+
+def _assigned(code: str) -> set[str]:
+    """Names a cell assigns at its top level (assignments, augmented and annotated ones, for targets)."""
+    import ast
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For)) else [])
+        for t in targets:
+            names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
 
 
 def working_copy(lab: Lab, job: Path, own: Path | None = None) -> list[str]:
@@ -87,11 +181,13 @@ def runs_need(base: Path) -> list[str]:
 
 
 def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float, total: float,
-            log_path: Path) -> dict:
+            log_path: Path, output_limit: int | None = OUTPUT_LIMIT) -> dict:
     """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted)."""
+    outcome_path = outcome_file(job)
     spec = {"notebook": str(job / "work" / NOTEBOOK), "output": str(job / "out" / NOTEBOOK), "cwd": str(job / "work"),
             "parameters": parameters, "cell_timeout": cell_timeout,
-            "total_timeout": total, "sandbox": plan.to_dict(), "outcome": str(job / "outcome.json")}
+            "total_timeout": total, "sandbox": plan.to_dict(), "outcome": str(outcome_path),
+            "output_limit": output_limit}
     job_file = job / "job.json"
     job_file.write_text(json.dumps(spec))
     if plan.uid is not None:
@@ -114,11 +210,18 @@ def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float,
         cleanup(plan, proc.pid)
     cap_file(log_path)
     try:
-        outcome = load_json_beneath(job, "outcome.json", 2**20)
+        outcome = load_json_beneath(outcome_path.parent, outcome_path.name, 2**20)
     except (UntrustedFileError, ValueError, RecursionError) as e:
-        return {"status": "grader_error", "message": f"the run left no readable outcome ({e}; runner exit "
-                                                     f"{proc.returncode}): was the grading process killed?"}
+        return {"status": "grader_error", "message": f"the runner left no readable outcome ({e}; runner exit "
+                                                     f"{proc.returncode}); see its log: {log_path.name}"}
+    finally:
+        outcome_path.unlink(missing_ok=True)
     return outcome if isinstance(outcome, dict) else {"status": "grader_error", "message": "outcome is not a dict"}
+
+
+def outcome_file(job: Path) -> Path:
+    """Where the runner writes the outcome: beside the job folder, in the batch folder only root may write to."""
+    return job.parent / f"{job.name}.outcome.json"
 
 
 def cap_file(path: Path, limit: int = 256 * 1024) -> None:
@@ -162,6 +265,7 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
     cands = {lab.path, out, *[Path(p).resolve() for p in extra]}
     cands.update(find_labs(lab.path.parent))
     cands.update(find_labs(labs_dir()))
+    cands.update(p.resolve() for p in scheduler_paths())  # no munge socket, no Slurm: a run submits nothing
     # The checkouts: the lab's, the grader's and the runs' (of their package folders, not of the interpreter's).
     roots = {git_root(lab.path), checkout_root(), *(checkout_of(p) for p in needed if (p / "__init__.py").exists())}
     checkouts = {r for r in roots if r is not None and ((r / ".git").exists() or (r / "pyproject.toml").exists())
@@ -175,6 +279,7 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
         target = parent.parent if path.name == NOTEBOOK else parent
         cands.add(target)
         hide.add(path.resolve())  # used when its folder cannot be covered whole
+        cands.update(_sibling_folders(target))  # submissions of other labs collected beside this lab's
     base = base.resolve()
     for cand in [*cands, *checkouts]:
         cand = Path(cand).resolve()
@@ -182,6 +287,22 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
             continue  # the job folders and what the runs need stay visible
         (cover if any(cand in k.parents for k in needed) else hide).add(cand)
     return sorted(str(p) for p in hide if os.path.lexists(p)), sorted(str(p) for p in cover)
+
+
+MAX_SIBLINGS = 200
+
+
+def _sibling_folders(folder: Path) -> list[Path]:
+    """The folders beside `folder` (e.g. collected/02_data_parallel beside collected/01_single_device); none when
+    `folder` sits in a top-level or temporary folder, where its neighbours are not the course's."""
+    parent = folder.parent
+    if len(parent.parts) < 3 or str(parent) in ("/tmp", "/var/tmp", "/dev/shm", "/home"):
+        return []
+    try:
+        found = [p for p in parent.iterdir() if p.is_dir() and not p.is_symlink() and p != folder]
+    except OSError:
+        return []
+    return sorted(found)[:MAX_SIBLINGS]
 
 
 def checkout_of(package: Path) -> Path | None:

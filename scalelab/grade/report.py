@@ -1,6 +1,6 @@
 """Grading reports: a JSON result and an HTML feedback page per student, and the CSV gradebook.
 
-    OUT/results/<student>.json     the result (safe to hand to the student)
+    OUT/results/<student>.json     the result (safe to hand to the student); <student> is `file_key(name)`
     OUT/feedback/<student>.html    the same for people: score, what happened to the run, each check
     OUT/notebooks/<student>.ipynb  the executed notebook, long outputs cut
     OUT/gradebook.csv              one row per student graded into OUT (all results/*.json, not only this batch)
@@ -13,8 +13,10 @@ Everything shown is HTML-escaped: messages can carry values the student's notebo
 from __future__ import annotations
 
 import csv
+import hashlib
 import html
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -29,6 +31,26 @@ table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;pad
 vertical-align:top}.pass{color:#176b2c}.partial{color:#8a5a00}.fail,.missing,.error{color:#a11}
 .status{padding:.6rem .8rem;border-radius:6px;background:#f4f4f4}pre{background:#f7f7f7;padding:.6rem;
 overflow:auto;max-height:24rem;font-size:13px}.hidden{font-size:12px;color:#666}"""
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_KEY_MAX = 60
+
+
+def file_key(student: str) -> str:
+    """The name of a student's report files: `student` itself when it is short plain ASCII, else an ASCII form of
+    it with a hash of the whole name (so any length and any script gives a distinct, valid file name)."""
+    slug = re.sub(r"[^A-Za-z0-9_.@-]", "_", student).lstrip(".-") or "student"
+    if slug == student and len(slug) <= _KEY_MAX:
+        return slug
+    return f"{slug[:_KEY_MAX]}-{hashlib.sha256(student.encode()).hexdigest()[:10]}"
+
+
+def csv_cell(value: Any) -> Any:
+    """A gradebook cell that a spreadsheet shows as text: a string starting like a formula gets a leading '."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
 
 
 def prepare_out_dir(out: Path, private: bool = False) -> None:
@@ -61,9 +83,9 @@ def result_to_dict(result) -> dict:
 def write_submission(out: Path, result) -> dict:
     """Write results/<student>.json and feedback/<student>.html; log hidden checks' crashes for instructors."""
     data = result_to_dict(result)
-    _atomic_write(out / "results" / f"{result.student}.json", json.dumps(data, indent=1, ensure_ascii=False,
-                                                                        default=str))
-    _atomic_write(out / "feedback" / f"{result.student}.html", feedback_html(data))
+    key = file_key(result.student)
+    _atomic_write(out / "results" / f"{key}.json", json.dumps(data, indent=1, ensure_ascii=False, default=str))
+    _atomic_write(out / "feedback" / f"{key}.html", feedback_html(data))
     crashed = [c for c in result.checks if c.hidden and c.detail]
     if crashed:
         with _LOCK, open(out / "instructor" / "hidden_check_errors.jsonl", "a", encoding="utf-8") as f:
@@ -101,11 +123,11 @@ def write_gradebook(out: Path) -> Path:
     path = Path(out) / "gradebook.csv"
     with _LOCK, open(path.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["student", "percent", "score", "max_score", "status", "message", *names])
+        w.writerow([csv_cell(x) for x in ["student", "percent", "score", "max_score", "status", "message", *names]])
         for r in results:
             points = {c["name"] + (" (hidden)" if c.get("hidden") else ""): c["points"] for c in r.get("checks", [])}
-            w.writerow([r["student"], r["percent"], r["score"], r["max_score"], r["status"],
-                        r["message"][:300], *[points.get(n, "") for n in names]])
+            w.writerow([csv_cell(x) for x in [r["student"], r["percent"], r["score"], r["max_score"], r["status"],
+                                              r["message"][:300], *[points.get(n, "") for n in names]]])
     path.with_suffix(".csv.tmp").replace(path)
     return path
 
@@ -144,5 +166,5 @@ def feedback_html(data: dict) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["prepare_out_dir", "write_submission", "write_gradebook", "load_results", "result_to_dict",
+__all__ = ["file_key", "csv_cell", "prepare_out_dir", "write_submission", "write_gradebook", "load_results", "result_to_dict",
            "check_to_dict", "checks_table_html", "feedback_html"]

@@ -1,9 +1,12 @@
 """The sandboxed side of grading one submission: `python -m scalelab.grade.runner JOB.json`.
 
-The grader writes JOB.json (notebook, working copy, parameters, limits, sandbox plan) and starts this module in
-its own session. It confines itself (`apply_sandbox`) before anything of the student's runs, executes the
-notebook with `execute_notebook`, and writes what happened to JOB["outcome"] as JSON. The grader treats that
-file like everything else in the job folder: as data the student could have written.
+The grader writes JOB.json (notebook, working copy, parameters, limits, sandbox plan) and starts this module, as
+root, in its own session. The runner itself never runs student code and keeps its uid: it forks the confined run
+(`start_sandboxed`: an init in new namespaces, and under it the confined process, which drops to the throwaway
+uid, executes the notebook with `execute_notebook` and sends what happened through a pipe). Once the run's PID
+namespace is gone, the runner writes the outcome to JOB["outcome"], a file in the grader's own folder that the
+run cannot reach. So no file the student's code writes decides the status: a run that kills the process
+holding the pipe gets `killed`, and one that writes an outcome file of its own only wrote a file.
 
 Parameters the submission's `parameters` cell no longer declares, or all of them when no cell is tagged
 `parameters` any more, are left out (with a note) rather than failing the whole run: the student then runs with
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,26 +24,82 @@ from pathlib import Path
 from ..course.execute import NotebookError, NotebookParameterError, NotebookResult, execute_notebook
 from ..run.procs import kill_processes
 from .sandbox import SandboxError, SandboxPlan
-from .confine import apply_sandbox
+from .confine import start_sandboxed, wait_status
 
 MAX_TRACEBACK_CHARS = 8000
+MAX_OUTCOME_BYTES = 2**20
 
 
 def main(argv: list[str]) -> int:
     """Run one job; the exit status is 0 whenever an outcome file was written."""
     job = json.loads(Path(argv[0]).read_text())
     start = time.monotonic()
+    read_end, write_end = os.pipe()
     try:
-        apply_sandbox(SandboxPlan.from_dict(job["sandbox"]))
+        pid = start_sandboxed(SandboxPlan.from_dict(job["sandbox"]), report_fd=write_end)
     except (SandboxError, OSError) as e:
         _write(job, {"status": "grader_error", "message": f"the sandbox could not be set up: {e}"})
         return 0
-    os.chdir(job["cwd"])
-    outcome = _execute(job)
-    _reap_descendants()
+    if pid == 0:  # the confined process: run the notebook, send the outcome, leave nothing behind
+        os.close(read_end)
+        try:
+            os.chdir(job["cwd"])
+            outcome = _execute(job)
+        except BaseException as e:  # noqa: BLE001 - whatever happens here is reported, not raised
+            import traceback
+            outcome = {"status": "grader_error", "message": f"the runner failed: {type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc()[-MAX_TRACEBACK_CHARS:]}
+        _reap_descendants()
+        _send(write_end, outcome)
+        os._exit(0)
+    os.close(write_end)
+    data = _read_all(read_end, MAX_OUTCOME_BYTES)
+    code = wait_status(pid)
+    outcome = _outcome_from(data, code)
     outcome["duration_s"] = round(time.monotonic() - start, 3)
     _write(job, outcome)
     return 0
+
+
+def _send(fd: int, outcome: dict) -> None:
+    data = json.dumps(outcome, default=str).encode()
+    while data:
+        data = data[os.write(fd, data):]
+    os.close(fd)
+
+
+def _read_all(fd: int, limit: int) -> bytes:
+    """Everything written to the pipe until every writer is gone (the run's PID namespace with it), up to `limit`."""
+    chunks, size = [], 0
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        if size < limit:
+            chunks.append(chunk[:limit - size])
+        size += len(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _outcome_from(data: bytes, code: int) -> dict:
+    """The confined process's outcome, or what its end says when it sent none."""
+    try:
+        outcome = json.loads(data) if data else None
+    except (ValueError, RecursionError):
+        outcome = None
+    if isinstance(outcome, dict) and isinstance(outcome.get("status"), str):
+        return outcome
+    if code > 128:
+        sig = code - 128
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        return {"status": "killed", "message": f"the run's grading process was killed ({name}) before the notebook "
+                                               "finished: by the notebook's own code, or for using more memory than "
+                                               "allowed", "signal": sig}
+    return {"status": "grader_error", "message": f"the run ended (exit {code}) without saying what happened"}
 
 
 def _execute(job: dict) -> dict:
@@ -50,7 +110,7 @@ def _execute(job: dict) -> dict:
                      f"parameters {sorted(parameters)} could not be set, so your own values were used")
         parameters = {}
     kw = dict(output_path=job["output"], cwd=job["cwd"], cell_timeout=job["cell_timeout"],
-              total_timeout=job["total_timeout"])
+              total_timeout=job["total_timeout"], output_limit=job.get("output_limit"))
     try:
         try:
             result = execute_notebook(job["notebook"], parameters, **kw)
@@ -97,7 +157,7 @@ def describe(result: NotebookResult) -> dict:
 
 
 def _reap_descendants() -> None:
-    # We are a subreaper: whatever the run left behind (a daemon it double-forked) is our descendant by now.
+    # What the notebook started and left (the init above us kills the rest: daemons that re-parented to it).
     import psutil
     kill_processes(psutil.Process().children(recursive=True), grace_s=0, tree=False)
 

@@ -89,6 +89,9 @@ class SandboxPlan:
     """'root' (new network namespace), 'user' (user + network namespace, not root) or 'none'."""
     userns: bool = False
     """Not root: enter a user namespace first (what lets an ordinary user make network and mount namespaces)."""
+    pidns: bool = False
+    """A PID namespace of the run's own, with its own /proc (root only): the run sees and signals only its own
+    processes, and everything in it dies with its init."""
     hide: list[str] = field(default_factory=list)
     cover: list[str] = field(default_factory=list)
     """Folders covered by an empty tmpfs before the `expose` paths inside them are bound back."""
@@ -121,10 +124,11 @@ class SandboxPlan:
 
     def describe(self) -> dict:
         """Short summary for results: user, network, memory, hidden paths, notes."""
-        return {"user": "own uid" if self.uid is not None else "grader's user",
+        return {"user": "own uid" if self.uid is not None else "grader's user", "uid": self.uid,
                 "network": {"root": "isolated (network namespace)", "user": "isolated (user namespace)",
                             "none": "not isolated"}[self.netns],
                 "memory": f"{self.memory_bytes // 2**20} MiB via {self.memory_via}" if self.memory_bytes else "none",
+                "processes": "own PID namespace" if self.pidns else "shared with the host",
                 "hidden_paths": len(self.hide), "covered_folders": len(self.cover), "notes": list(self.notes)}
 
 
@@ -147,6 +151,7 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
         plan.writable = [bind_target(policy.workdir)] if policy.workdir and any(
             inside(bind_target(policy.workdir), t) for t in plan.private) else []
     plan.expose = [p for p in needed if any(inside(p, c) for c in plan.cover + plan.private)]
+    plan.pidns = root  # /proc of a PID namespace can be mounted only where it is fully visible: root, here
     if root and policy.own_user:
         plan.uid = plan.gid = uid if uid is not None else free_uid()
         for p in needed:
@@ -314,22 +319,26 @@ def _make_cgroup(base: str, plan: SandboxPlan) -> str:
 # -- after the run (in the grader) -------------------------------------------------------------------------------
 
 def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
-    """Kill whatever of the run is left (by throwaway uid, cgroup, runner tree); remove the cgroup. Returns count."""
-    import psutil
-    victims = {}
-    if plan.uid is not None:
-        for p in psutil.process_iter(["uids"]):
-            if p.info["uids"] and plan.uid in p.info["uids"]:
-                victims[p.pid] = p
-    if plan.cgroup and Path(plan.cgroup, "cgroup.procs").exists():
-        for pid in Path(plan.cgroup, "cgroup.procs").read_text().split():
-            victims.setdefault(int(pid), _proc(int(pid)))
+    """Kill whatever of the run is left (runner tree, cgroup, throwaway uid); remove the cgroup. Returns count.
+
+    The runner tree goes first: killing the run's init ends its PID namespace and everything in it. Then every
+    process of the throwaway uid, with kill(-1) *as that uid* until none is left: one system call reaches them
+    all at once, so a daemon that keeps forking (its pid changing all the time) cannot slip through a list.
+    """
+    killed = 0
     if runner_pid is not None:
         runner = _proc(runner_pid)
         if runner is not None:
-            for p in [runner, *_children(runner)]:
-                victims.setdefault(p.pid, p)
-    killed = kill_processes([p for p in victims.values() if p is not None], grace_s=0, tree=False)
+            killed += kill_processes([runner, *_children(runner)], grace_s=0, tree=False)
+    victims = {}
+    if plan.uid is not None and UID_RANGE[0] <= plan.uid < UID_RANGE[1]:
+        killed += kill_uid(plan.uid, plan.gid)
+    elif plan.uid is not None:  # a uid given by hand (tests): only what a list finds
+        victims.update((pid, _proc(pid)) for pid in uid_processes(plan.uid))
+    if plan.cgroup and Path(plan.cgroup, "cgroup.procs").exists():
+        for pid in Path(plan.cgroup, "cgroup.procs").read_text().split():
+            victims.setdefault(int(pid), _proc(int(pid)))
+    killed += kill_processes([p for p in victims.values() if p is not None], grace_s=0, tree=False)
     if plan.cgroup:
         for _ in range(50):  # the kernel frees a cgroup a moment after its last process exits
             try:
@@ -340,6 +349,40 @@ def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
             except OSError:
                 time.sleep(0.1)
     return killed
+
+
+def uid_processes(uid: int) -> list[int]:
+    """Pids of every live process with `uid` as its real, effective or saved uid (zombies are dead already: only
+    their parent's wait removes them, and an orphan's parent is the machine's init)."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        if p.info["uids"] and uid in p.info["uids"] and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
+
+
+def kill_uid(uid: int, gid: int | None = None, rounds: int = 50) -> int:
+    """SIGKILL every process of the throwaway `uid` (root only), repeating until none is left; returns how many.
+
+    `kill -KILL -1` (procps) run *as* `uid` signals every process that uid may signal, all in one pass of the kernel over
+    the process table (no fork can slip in while it runs). Never call it with a uid anyone else uses.
+    """
+    if not UID_RANGE[0] <= uid < UID_RANGE[1]:
+        raise SandboxError(f"refusing to kill every process of uid {uid}: not a throwaway uid of the grader")
+    count = 0
+    for _ in range(rounds):
+        # Kill first, then look: a list of a hopping daemon's pids is out of date before it is finished, so an
+        # empty look before the kill would prove nothing.
+        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=gid if gid is not None else uid,
+                       extra_groups=[], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/", timeout=30)
+        time.sleep(0.05)
+        left = uid_processes(uid)
+        if not left:
+            return count
+        count += len(left)
+    raise SandboxError(f"processes of uid {uid} survive {rounds} rounds of SIGKILL: {uid_processes(uid)[:10]}")
 
 
 def _proc(pid):
@@ -393,6 +436,6 @@ def verify_network_isolation(mode: str) -> dict:
     return result
 
 
-__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "cleanup", "gpu_devices",
+__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "cleanup", "kill_uid", "uid_processes", "gpu_devices",
            "verify_network_isolation", "free_uid", "cgroup2_base", "needed_paths", "runner_needed_paths", "bind_target",
            "blocking_ancestor", "inside"]
