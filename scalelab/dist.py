@@ -68,3 +68,43 @@ def threads_per_rank(spec, ranks_on_node: int) -> int:
 def get_world_size() -> int:
     """Ranks in the run (1 outside a distributed run)."""
     return rank_info().world_size
+
+
+def interface_towards(addr: str) -> str | None:
+    """The name of this host's network interface that reaches `addr` (a host name or IP), or None if unknown.
+
+    Asks the kernel's routing table (a UDP socket's connect sends nothing) and maps the chosen source address to
+    its interface, so ranks on different nodes each find their own link, whatever it is called there.
+    """
+    import socket
+
+    import psutil
+    try:
+        ip = socket.gethostbyname(addr)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
+    return None
+
+
+def set_socket_interface(env=None) -> str | None:
+    """Point gloo and NCCL at the interface towards MASTER_ADDR (unless the user chose one); returns it.
+
+    On a node with several links (a management network beside the fast one, or a namespace's eth0 beside lo)
+    gloo would otherwise bind to whatever the host name resolves to. A loopback MASTER_ADDR (one node) needs
+    nothing.
+    """
+    env = os.environ if env is None else env
+    master = env.get("MASTER_ADDR", "")
+    if not master or master.startswith("127.") or master == "localhost":
+        return None
+    iface = interface_towards(master)
+    if iface and iface != "lo":
+        env.setdefault("GLOO_SOCKET_IFNAME", iface)
+        env.setdefault("NCCL_SOCKET_IFNAME", iface)
+    return env.get("GLOO_SOCKET_IFNAME")

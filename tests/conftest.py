@@ -37,12 +37,19 @@ def _has_horovod() -> bool:
     return r.returncode == 0
 
 
+def _netns_problem() -> str | None:
+    from scalelab.cluster.netns import unavailable
+    return unavailable()
+
+
 CHECKS = {
     "horovod": lambda: require(_has_horovod(), "Horovod (horovod.torch)", "run `bash tools/ensure_horovod.sh`"),
     "mpi": lambda: require(shutil.which("mpirun") is not None, "Open MPI (mpirun)",
                            "run `apt-get install openmpi-bin libopenmpi-dev`"),
     "slurm": lambda: require(shutil.which("slurmctld") is not None and shutil.which("sbatch") is not None,
                              "Slurm (slurmctld, sbatch)", "run `apt-get install slurm-wlm munge`"),
+    "netns": lambda: require(_netns_problem() is None, "network namespaces (root, ip, tc, nsenter, unshare)",
+                             f"{_netns_problem()}: run the tests as root on Linux with iproute2 and util-linux"),
     "browser": lambda: require(Path("/usr/bin/chromium").exists(), "Chromium (/usr/bin/chromium)",
                                "run `apt-get install chromium chromium-driver`"),
     "hub": lambda: require(shutil.which("configurable-http-proxy") is not None
@@ -66,3 +73,17 @@ def slurm_cluster(tmp_path_factory):
     cluster = LocalCluster()
     cluster.up()
     yield cluster
+
+
+@pytest.fixture(scope="session")
+def nodes_cluster():
+    """A real 2-node Slurm in network namespaces (2 stand-in GPUs per node), beside the 1-node one: started once
+    for the session in its own state directory and ports, and brought down (namespaces, links, daemons) at the end."""
+    CHECKS["slurm"]()
+    CHECKS["netns"]()
+    import tempfile
+    from scalelab.cluster.nodes import NodesCluster
+    cluster = NodesCluster(Path(tempfile.gettempdir()) / "scalelab-test-nodes", nodes=2, gpus_per_node=2)
+    cluster.up()
+    yield cluster
+    cluster.down()

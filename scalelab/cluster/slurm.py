@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -76,5 +77,28 @@ def job_fields(job_id: str, env: dict) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
 
 
-__all__ = ["job_phase", "job_active", "slurm_env", "slurm_command", "job_fields", "PENDING_STATES",
+def unreachable_nodes(nodes: list[str], env: dict, timeout: float = 2.0) -> dict[str, str]:
+    """Those of `nodes` whose slurmd does not answer (crashed, or its host gone): {node: what was seen}.
+
+    A TCP connect to the node's slurmd port (its NodeAddr, SlurmdPort): a dead slurmd refuses at once, a dead host
+    times out. slurmctld would say the same only after SlurmdTimeout; a run wants to name the node now.
+    """
+    if not nodes:
+        return {}
+    conf = slurm_command(["scontrol", "show", "config"], env).stdout
+    m = re.search(r"^SlurmdPort\s*=\s*(\d+)", conf, re.M)
+    port = int(m.group(1)) if m else 6818
+    found = {}
+    for node in nodes:
+        r = slurm_command(["scontrol", "show", "node", "-o", node], env)
+        addr = (re.search(r"NodeAddr=(\S+)", r.stdout) or [None, node])[1]
+        try:
+            with socket.create_connection((addr, port), timeout=timeout):
+                pass
+        except OSError as e:
+            found[node] = f"its slurmd at {addr}:{port} does not answer ({e.strerror or e})"
+    return found
+
+
+__all__ = ["unreachable_nodes", "job_phase", "job_active", "slurm_env", "slurm_command", "job_fields", "PENDING_STATES",
            "RUNNING_STATES", "HELD_STATES", "COMPLETING_STATES"]

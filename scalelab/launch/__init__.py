@@ -1,6 +1,6 @@
 """Launchers: turn a RunSpec into processes or a batch job and hand back a `Run`.
 
-One module per launcher (local, torchrun, horovodrun, mpirun, slurm); all start the same worker,
+One module per launcher (local, torchrun, horovodrun, mpirun, slurm, srun); all start the same worker,
 `python -m scalelab.train.worker --spec <run dir>/spec.json`, and all are observed the same way.
 """
 from __future__ import annotations
@@ -9,7 +9,8 @@ import importlib
 
 from ..errors import SpecError
 
-MODULES = {"local": "local", "torchrun": "torchrun", "horovodrun": "horovodrun", "mpirun": "mpirun", "slurm": "slurm"}
+MODULES = {"local": "local", "torchrun": "torchrun", "horovodrun": "horovodrun", "mpirun": "mpirun", "slurm": "slurm",
+           "srun": "srun"}
 
 
 def launch(spec, **options):

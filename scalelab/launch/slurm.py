@@ -1,4 +1,5 @@
 """slurm: the run as one batch job; `srun` starts the ranks (DDP) or Open MPI's mpirun does (Horovod).
+Inside an allocation it runs as job steps there instead (`scalelab.launch.srun`).
 
 The batch script is a pure function of the spec (`batch_script`), tested as text. The job writes the same
 events as every other launcher into the run directory, which must be on a file system the compute nodes
@@ -14,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..cluster.slurm import job_active, job_fields, job_phase, slurm_command, slurm_env
+from ..cluster.slurm import job_fields, job_phase, slurm_command, slurm_env
 from ..errors import LaunchError
 from ..run.handle import Run
 from ..run.procs import scrub_env
+from . import srun
 from .base import prepare_run_dir, start_process, threads_for, worker_command
 
 # srun: "srun: error: node1: task 1: Exited with exit code 1" / "srun: error: node1: task 1: Killed"
@@ -58,10 +60,11 @@ def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-class SlurmRun(Run):
+class SlurmRun(srun.WatchesNodes, Run):
     """A batch job, observed through squeue/scontrol and its event files."""
 
     launcher = "slurm"
+    _node_checked = False
 
     def __init__(self, spec, run_dir, job_id: str, env: dict, reader=None):
         super().__init__(spec, run_dir, reader)
@@ -118,15 +121,29 @@ class SlurmRun(Run):
 
     def _cancel(self) -> None:
         slurm_command(["scancel", self.job_id], self.env)
+        if self.lost_nodes:  # srun in the batch script waits on the lost node's part of its step: kill it now
+            slurm_command(["scancel", "--full", "--signal=KILL", self.job_id], self.env)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and job_active(self.job_info().get("JobState", "")):
+        while time.monotonic() < deadline:
+            phase = job_phase(self.job_info().get("JobState", ""))
+            # with a node lost, the job stays COMPLETING until slurmctld declares that node down (SlurmdTimeout);
+            # the processes on the nodes still there are gone by then, and nothing is left to wait for
+            if phase == "ended" or (phase == "completing" and self.lost_nodes):
+                break
             time.sleep(0.5)
 
 
-def launch(spec, env: dict | None = None, python: str | None = None) -> SlurmRun:
-    """Write the batch script into the run directory and sbatch it; returns at once (the job may queue)."""
+def launch(spec, env: dict | None = None, python: str | None = None):
+    """Write the batch script into the run directory and sbatch it; returns at once (the job may queue).
+
+    Inside an allocation (SLURM_JOB_ID set in `env`, default this process's: salloc, an sbatch script, a hub
+    job) the run becomes job steps of that allocation instead (`scalelab.launch.srun`): no new job. Pass an
+    `env` without SLURM_JOB_ID (`scrub_env()`) to submit a new job from inside one anyway.
+    """
+    if srun.allocation(env) is not None:
+        return srun.launch(spec, env=env, python=python)
     spec, run_dir, reader = prepare_run_dir(spec)
-    env = slurm_env(scrub_env(env))  # a notebook inside a hub job must not hand its SLURM_JOB_* down
+    env = slurm_env(scrub_env(env))  # no SLURM_* of an enclosing run leaks into the new job
     script = run_dir / "job.sh"
     script.write_text(batch_script(spec, run_dir, python or sys.executable))
     r = slurm_command(["sbatch", "--parsable", "--chdir", str(run_dir), str(script)], env)

@@ -13,7 +13,7 @@ MODELS = ("cnn", "mlp", "transformer")
 DATA_SOURCES = ("heat", "digits", "path")
 STRATEGIES = ("ddp", "horovod")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
-LAUNCHERS = ("local", "torchrun", "slurm", "horovodrun", "mpirun")
+LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 LR_SCALING = ("none", "linear", "sqrt")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -199,9 +199,9 @@ def _cross_checks(spec) -> None:
             raise SpecError("data.path", "is empty but data.source is 'path'; give a .npz file with arrays x and y")
         if not Path(spec.data.path).suffix == ".npz":
             raise SpecError("data.path", f"got {spec.data.path!r}; expected a .npz file with arrays x (N,C,H,W) and y (N,)")
-    if spec.world.nodes > 1 and spec.launcher not in ("slurm", "mpirun"):
-        raise SpecError("world.nodes", f"got {spec.world.nodes}; more than one node needs launcher slurm (or mpirun "
-                                       f"with a hostfile), not {spec.launcher!r}")
+    if spec.world.nodes > 1 and spec.launcher not in ("slurm", "srun", "mpirun"):
+        raise SpecError("world.nodes", f"got {spec.world.nodes}; more than one node needs launcher slurm (srun "
+                                       f"inside an allocation, or mpirun with a hostfile), not {spec.launcher!r}")
     if spec.strategy == "horovod" and spec.launcher in ("local", "torchrun"):
         raise SpecError("launcher", f"got {spec.launcher!r} with strategy 'horovod'; Horovod ranks are started by "
                                     "horovodrun, mpirun or slurm")

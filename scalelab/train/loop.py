@@ -64,7 +64,9 @@ def train(spec, info, events) -> dict:
 
     events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
                 backend=strategy.backend, device=str(device), threads=threads, malloc=malloc, wait=strategy.wait,
-                pid=os.getpid(), host=socket.gethostname(), total_steps=total_steps, start_step=start_step,
+                pid=os.getpid(), host=socket.gethostname(), interface=os.environ.get("GLOO_SOCKET_IFNAME"),
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                total_steps=total_steps, start_step=start_step,
                 resumed_from=resumed_from, global_batch=spec.global_batch, peak_lr=peak_lr,
                 parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy)
 

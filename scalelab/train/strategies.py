@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..dist import threads_per_rank
+from ..dist import set_socket_interface, threads_per_rank
 
 
 def pick_device(spec, local_rank: int) -> torch.device:
@@ -26,6 +27,10 @@ def pick_device(spec, local_rank: int) -> torch.device:
             raise SpecError("device", "got 'cuda' but this node has no usable GPU; use device=auto or cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() and not torch.cuda.is_available():
+        # the local cluster's stand-in GPUs (or a CPU build of torch): scheduled for real, computed on the CPU
+        print(f"scalelab: this rank was given GPU(s) CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} but "
+              "torch sees no CUDA device: computing on the CPU", file=sys.stderr, flush=True)
     return torch.device("cpu")
 
 
@@ -77,6 +82,7 @@ class DDPStrategy:
         if self.info.world_size > 1 and not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+            set_socket_interface()  # across nodes: the link towards MASTER_ADDR, found on this rank's own node
             dist.init_process_group(self.backend, rank=self.info.rank, world_size=self.info.world_size,
                                     timeout=timedelta(seconds=120))
 
