@@ -8,7 +8,7 @@ def _row(rows, **match):
     return found[0]
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def layouts_written(r):
     """All four layouts were written; files has one file per sample, shards only a few."""
     rows = {row["layout"]: row for row in r["layouts"]}
@@ -18,7 +18,7 @@ def layouts_written(r):
     assert rows["shards"]["files"] < n / 10, f"shards layout has {rows['shards']['files']} files"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def metadata_operations_counted(r):
     """An epoch of files opens once per sample; packed shards open a handful of files."""
     files = _row(r["formats"], layout="files", where="pfs")
@@ -27,7 +27,7 @@ def metadata_operations_counted(r):
     assert shards["opens_per_sample"] < 0.05, f"shards: {shards['opens_per_sample']:.2f} opens per sample"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def shards_beat_files_on_the_file_system(r):
     """On the simulated parallel file system, packed shards are many times faster than small files."""
     files = _row(r["formats"], layout="files", where="pfs")["samples_per_s"]
@@ -35,7 +35,7 @@ def shards_beat_files_on_the_file_system(r):
     assert shards > 5 * files, f"shards {shards:.0f} vs files {files:.0f} samples/s"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def pfs_epoch_predicted(r):
     """Exercise 1: the predicted PFS epoch of the files layout is close to the measured one."""
     measured = _row(r["formats"], layout="files", where="pfs")["elapsed_s"]
@@ -48,7 +48,7 @@ def pfs_epoch_predicted(r):
                    "the local epoch, plus opens times the latency, plus bytes over the bandwidth")
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def prefetch_hides_latency(r):
     """More reader threads raise throughput and lower the stall share."""
     rows = sorted(r["prefetch_sweep"], key=lambda row: row["threads"])
@@ -57,7 +57,7 @@ def prefetch_hides_latency(r):
     assert rows[-1]["stall_fraction"] < rows[0]["stall_fraction"], "prefetching did not lower the stall share"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def reader_threads_sized(r):
     """Exercise 2: needed_threads is a positive count and chosen_threads one of the measured counts."""
     needed, chosen = r["needed_threads"], r["chosen_threads"]
@@ -66,7 +66,7 @@ def reader_threads_sized(r):
     assert chosen in counts, f"chosen_threads {chosen!r} is not one of the measured counts {counts}"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def cache_serves_later_epochs(r):
     """Through the node-local cache, later epochs are fast and barely touch the shared store."""
     cached = [row for row in r["cache_epochs"] if row["where"] == "cached"]
@@ -77,7 +77,7 @@ def cache_serves_later_epochs(r):
         assert row["samples_per_s"] > 2 * first["samples_per_s"], f"epoch {row['epoch']} is not faster"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def lru_hit_rate_computed(r):
     """Exercise 3: the LRU hit rate is a fraction, and well below what knowing the future achieves."""
     lru, future = r["lru_hit_rate"], r["reuse"]["future_hit_rate"]
@@ -85,7 +85,7 @@ def lru_hit_rate_computed(r):
     assert lru < future, f"LRU {lru:.3f} should be below the order-aware {future:.3f}"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def order_aware_reads_less(r):
     """The order-aware prefetcher reads fewer samples from the store than plain read-ahead."""
     plain = _row(r["order_aware"], policy="read-ahead")
@@ -93,7 +93,7 @@ def order_aware_reads_less(r):
     assert aware["fetches"] < plain["fetches"], f"{aware['fetches']} reads vs {plain['fetches']}"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def straggler_predicted(r):
     """Exercise 4: the predicted efficiency with one straggler matches the measured one."""
     measured, pred = r["straggler"]["straggler"]["efficiency"], r["predicted_efficiency"]
@@ -104,7 +104,7 @@ def straggler_predicted(r):
     return partial(max(0.0, 1 - (err - 0.25) / 0.5), f"predicted {pred:.2f}, measured {measured:.2f}")
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def engine_trains_from_both_layouts(r):
     """The engine trained from files and from shards: the same losses, shards spending less time on data."""
     rows = {row["format"]: row for row in r["engine_formats"]}
