@@ -2,7 +2,7 @@
 from scalelab.grade.checks import check
 
 
-@check(points=4)
+@check(points=4, needs_run=True)
 def port_reproduces_data_parallel_training(r):
     """Exercise 1: under both controllers every rank ends identical to rank 0 and to the one-process reference."""
     port = r["port"]
@@ -17,14 +17,14 @@ def port_reproduces_data_parallel_training(r):
                                                      "gradients averaged (DistributedOptimizer)?"
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def port_ran_under_both_controllers(r):
     """The port ran as a Horovod job with the Gloo controller and with the MPI controller."""
     assert {row["controller"] for row in r["port"]["gloo"]} == {"gloo"}
     assert {row["controller"] for row in r["port"]["mpi"]} == {"mpi"}
 
 
-@check(points=1)
+@check(points=1, needs_run=True)
 def timeline_recorded(r):
     """A Horovod timeline was written, with negotiation and allreduce activity."""
     tl = r["timeline"]
@@ -33,7 +33,7 @@ def timeline_recorded(r):
     assert acts.get("ALLREDUCE", 0) > 0 and acts.get("NEGOTIATE_ALLREDUCE", 0) > 0, f"activities: {acts}"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def same_run_two_ways(r):
     """DDP and Horovod trained the same RunSpec to the same loss curve."""
     runs = r["engine_runs"]
@@ -46,7 +46,7 @@ def same_run_two_ways(r):
         f"Horovod's loss curve differs from DDP's by {diff:.3g}"
 
 
-@check(points=2)
+@check(points=2, needs_run=True)
 def comparison_computed(r):
     """Exercise 2: the loss difference is tiny and the throughput ratio is positive."""
     c = r["comparison"]
