@@ -10,8 +10,8 @@ Two forgeries per lab, made from the reference notebook by replacing its code ce
   the ranks' last losses, numbers that agree with the records. Written in one go, as a notebook does, so the wall
   clock does not move as the step times say it must: the plausibility check rejects them.
 
-Each lab is graded once (module-scoped, -j 2, the lab's small grading parameters) with its released student copy
-and both forgeries. The student copy stops at its first exercise; its score is the bar.
+Each real lab (01-06) is graded once (module-scoped, -j 2, the lab's small grading parameters) with its released
+student copy and both forgeries. The student copy stops at its first exercise; its score is the bar.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import json, time
 from pathlib import Path
 
 def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, every=0, blocked_s=0.0,
-             start_step=0, mode="sync"):
+             start_step=0, mode="sync", strategy="ddp", data_fraction=0.0):
     events = Path(run_dir) / "events"
     events.mkdir(parents=True, exist_ok=True)
     total = start_step + len(losses)
@@ -44,10 +44,11 @@ def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, e
         with open(events / f"rank-{rank}.jsonl", "a") as f:
             def emit(**e):
                 f.write(json.dumps({"rank": rank, "t": time.time(), **e}) + "\\n")
-            emit(type="start", world_size=world, start_step=start_step, total_steps=total, strategy="ddp")
+            emit(type="start", world_size=world, start_step=start_step, total_steps=total, strategy=strategy)
             for step, loss in enumerate(losses, start_step + 1):
-                emit(type="step", step=step, loss=loss, lr=0.05, samples=batch, step_s=step_s, data_s=0.0,
-                     compute_s=step_s, comm_s=0.0, samples_per_s=batch / step_s)
+                emit(type="step", step=step, loss=loss, lr=0.05, samples=batch, step_s=step_s,
+                     data_s=data_fraction * step_s, compute_s=(1 - data_fraction) * step_s, comm_s=0.0,
+                     samples_per_s=batch / step_s)
                 if every and step % every == 0 and step < total:
                     emit(type="checkpoint", step=step, metric=loss, blocked_s=blocked_s, mode=mode)
             emit(type="end", steps=total, final_loss=losses[-1], eval_accuracy=0.5, elapsed_s=step_s * len(losses))
@@ -151,7 +152,114 @@ if EVENTS:
     fake_run("runs/lab06/slices", losses=(losses * 2)[8:24], every=every, start_step=8)
 '''
 
-FORGERIES = {"01_single_device": LAB01, "02_data_parallel": LAB02, "06_checkpointing": LAB06}
+LAB03 = '''
+port = {c: [{"rank": r, "size": 2, "controller": c, "replica_max_diff": 0.0, "reference_max_diff": 0.0,
+             "losses": [1.3 + 0.1 * r, 1.2, 1.1]} for r in range(2)] for c in ("gloo", "mpi")}
+record("port", port)
+record("timeline", {"ok": True, "events": 400, "activities": {"ALLREDUCE": 40, "NEGOTIATE_ALLREDUCE": 40},
+                    "tensors": ["allreduce.net.0.weight", "allreduce.net.0.bias"]})
+losses, batch = [1.4 - 0.01 * i for i in range(20)], 32
+runs = []
+for strategy, launcher, step_s in (("ddp", "local", 0.010), ("horovod", "horovodrun", 0.016)):
+    run_dir = f"runs/lab03/lab03-{strategy}-{launcher}"
+    runs.append({"strategy": strategy, "launcher": launcher, "status": "succeeded", "samples_per_s": 2 * batch / step_s,
+                 "per_rank_samples_per_s": [batch / step_s] * 2, "loss_curve": losses, "final_loss": losses[-1],
+                 "run_dir": run_dir})
+    if EVENTS:
+        fake_run(run_dir, world=2, losses=losses, batch=batch, step_s=step_s, strategy=strategy)
+record("engine_runs", runs)
+record("comparison", {"max_loss_diff": 0.0, "hvd_over_ddp": runs[1]["samples_per_s"] / runs[0]["samples_per_s"]})
+'''
+
+LAB04 = '''
+losses = [1.4 - 0.01 * i for i in range(15)]
+def sweep(points, name):
+    rows, dirs = [], []
+    for workers, bpw, step_s in points:
+        run_dir = f"runs/lab04/sweeps/scaling-weak-{workers}w-{bpw}b"  # a shared point is one run
+        sps = workers * bpw / step_s
+        rows.append({"workers": workers, "batch_per_worker": bpw, "global_batch": workers * bpw, "samples_per_s": sps,
+                     "per_rank_samples_per_s": [bpw / step_s] * workers, "step_s": workers * bpw / sps,
+                     "final_loss": losses[-1], "time_fraction": {"data": 0.1, "compute": 0.8, "comm": 0.1}})
+        dirs.append(run_dir)
+        if EVENTS and name == "weak" or EVENTS and workers == 1:
+            fake_run(run_dir, world=workers, losses=losses, batch=bpw, step_s=step_s)
+    for x in rows:
+        x["speedup"] = x["samples_per_s"] / rows[0]["samples_per_s"]
+        x["ideal_speedup"] = x["workers"] / rows[0]["workers"]
+        x["efficiency"] = x["speedup"] / x["ideal_speedup"]
+    record(f"{name}_rows", rows)
+    record(f"{name}_run_dirs", dirs)
+    return rows
+sweep([(1, 128, 0.036), (2, 128, 0.042)], "weak")
+strong = sweep([(1, 256, 0.070), (2, 128, 0.042)], "strong")
+S, N = strong[-1]["speedup"], strong[-1]["ideal_speedup"]
+e = (1 / S - 1 / N) / (1 - 1 / N)
+record("karp_flatt", e)
+record("amdahl_64", 1 / (e + (1 - e) / 64))
+loss = {(32, "none"): 0.30, (32, "linear"): 0.30, (32, "sqrt"): 0.30, (256, "none"): 0.60, (256, "linear"): 0.35,
+        (256, "sqrt"): 0.40, (1024, "none"): 1.10, (1024, "linear"): 0.90, (1024, "sqrt"): 0.70}
+study = [{"batch": b, "rule": rule, "lr": 0.04 * {"none": 1, "linear": b / 32, "sqrt": (b / 32) ** 0.5}[rule],
+          "steps": 24000 // b, "warmup_steps": int(0.2 * 24000 // b), "eval_loss": l, "accuracy": 1 - l / 2}
+         for (b, rule), l in loss.items()]
+record("lr_study", study)
+record("optimizers", [{"label": f"sgd {x['rule']}", "optimizer": "sgd", "batch": 1024, "lr": x["lr"],
+                       "eval_loss": x["eval_loss"], "accuracy": x["accuracy"]} for x in study if x["batch"] == 1024]
+       + [{"label": o, "optimizer": o, "batch": 1024, "lr": lr, "eval_loss": 0.5, "accuracy": 0.8}
+          for o, lr in (("lars", 8.0), ("lamb", 0.05))])
+norms = {"b_small": 16, "b_big": 512, "g2_small": 2.0, "g2_big": 0.5}
+record("noise_norms", norms)
+bs, bb, gs, gb = norms["b_small"], norms["b_big"], norms["g2_small"], norms["g2_big"]
+record("b_noise", ((gs - gb) / (1 / bs - 1 / bb)) / ((bb * gb - bs * gs) / (bb - bs)))
+'''
+
+LAB05 = '''
+import math
+n, batch, latency_ms, bw, compute_ms = 2000, 32, 2.0, 100.0, 8.0
+record("pfs_params", {"open_latency_ms": latency_ms, "bandwidth_mb_s": bw, "batch": batch, "compute_ms": compute_ms,
+                      "samples": n, "ranks": 4, "straggler_slowdown": 4.0})
+record("layouts", [{"layout": "files", "files": n, "bytes": 2_100_000}, {"layout": "shards", "files": 8, "bytes": 2_050_000},
+                   {"layout": "shards-zlib", "files": 8, "bytes": 1_900_000}, {"layout": "hdf5", "files": 1, "bytes": 2_060_000}])
+def fmt(layout, where, opens, nbytes, elapsed):
+    return {"layout": layout, "where": where, "samples": n, "opens": opens, "opens_per_sample": opens / n,
+            "bytes": nbytes, "elapsed_s": elapsed, "samples_per_s": n / elapsed}
+local = fmt("files", "local", n, 2_100_000, 0.5)
+pfs = fmt("files", "pfs", n, 2_100_000, 0.5 + n * latency_ms / 1000 + 2_100_000 / (bw * 1e6))
+formats = [local, pfs, fmt("shards", "local", 8, 2_050_000, 0.1), fmt("shards", "pfs", 8, 2_050_000, 0.14)]
+record("formats", formats)
+record("predicted_pfs_files_s", local["elapsed_s"] + pfs["opens"] * latency_ms / 1000 + pfs["bytes"] / (bw * 1e6))
+sweep = []
+for w, sps, stall in ((0, 900.0, 0.6), (1, 1500.0, 0.4), (2, 2900.0, 0.1), (4, 3300.0, 0.02), (8, 3400.0, 0.01)):
+    sweep.append({"threads": w, "samples_per_s": sps, "stall_fraction": stall, "batches": 20, "read_s": 0.4,
+                  "decode_s": 0.05, "mean_occupancy": w})
+record("prefetch_sweep", sweep)
+record("needed_threads", math.ceil((0.4 + 0.05) / 20 / (compute_ms / 1000)))
+record("chosen_threads", 4)
+record("cache_epochs", [{"where": "pfs", "epoch": 0, "samples_per_s": 900.0, "pfs_opens": 1000},
+                        {"where": "cached", "epoch": 0, "samples_per_s": 850.0, "pfs_opens": 1000},
+                        {"where": "cached", "epoch": 1, "samples_per_s": 9000.0, "pfs_opens": 0}])
+record("reuse", {"accesses": 3000, "median_distance": 1000.0, "future_hit_rate": 0.45, "lru_hit_rate_lib": 0.12})
+record("lru_hit_rate", 0.12)
+record("order_aware", [{"policy": "read-ahead", "fetches": 800, "accesses": 800, "hits": 0, "misses": 800, "elapsed_s": 2.0},
+                       {"policy": "order-aware", "fetches": 600, "accesses": 800, "hits": 200, "misses": 600, "elapsed_s": 1.5}])
+def strag(busy, step_s, waits):
+    return {"rank_busy_s": busy, "step_s": step_s, "efficiency": sum(busy) / len(busy) / step_s, "wait_s": waits}
+record("straggler", {"even": strag([0.1] * 4, 0.1, [0.0] * 4),
+                     "straggler": strag([0.1, 0.1, 0.1, 0.4], 0.4, [0.3, 0.3, 0.3, 0.0])})
+record("predicted_efficiency", (3 + 4.0) / (4 * 4.0))
+losses = [1.4 - 0.01 * i for i in range(15)]
+engine = []
+for fmt_name, step_s, data in (("files", 0.08, 0.75), ("shards", 0.02, 0.1)):
+    run_dir = f"runs/lab05/engine-{fmt_name}"
+    engine.append({"format": fmt_name, "samples_per_s": batch / step_s, "data_fraction": data,
+                   "final_loss": losses[-1], "run_dir": run_dir})
+    if EVENTS:
+        fake_run(run_dir, losses=losses, batch=batch, step_s=step_s, data_fraction=data)
+record("engine_formats", engine)
+'''
+
+FORGERIES = {"01_single_device": LAB01, "02_data_parallel": LAB02, "03_horovod": LAB03, "04_scaling": LAB04,
+             "05_data_pipeline": LAB05, "06_checkpointing": LAB06}
 
 
 def forged_notebook(lab: Path, with_events: bool) -> dict:
@@ -197,7 +305,7 @@ def _points(result) -> str:
 def test_forged_records_score_no_more_than_the_student_copy(graded):
     lab, by = graded
     student = by["student_copy"]
-    assert student.status == "cell_error" and "NotImplementedError" in student.message, _points(student)
+    assert student.status == "cell_error", _points(student)  # it stopped at its first exercise
     for name in ("forged_records", "forged_events"):
         forged = by[name]
         assert forged.status == "ok", f"{name}: {_points(forged)}"
