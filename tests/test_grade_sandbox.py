@@ -498,3 +498,12 @@ def test_private_temporary_folders_are_size_limited_and_lock_folders_are_private
     finally:
         Path("/run/lock/scalelab-host-lock").unlink(missing_ok=True)
         Path("/run/lock/scalelab-run-lock").unlink(missing_ok=True)
+
+
+@root_only
+def test_a_run_has_a_host_name_of_its_own_that_resolves():
+    # UTS namespace: the host's name is not the run's, and the run's resolves (gloo crashes on one that does not).
+    proc = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)),
+                     "import socket; n = socket.gethostname(); print(n, socket.gethostbyname(n))")
+    assert proc.stdout.split() == ["localhost", "127.0.0.1"], proc.stderr
+    assert socket.gethostname() != "localhost"  # so the name inside did change

@@ -122,7 +122,7 @@ def _unshare_and_mount(plan: SandboxPlan) -> None:
     if flags & CLONE_NEWUSER:
         _map_ids(uid, gid)
     if flags & CLONE_NEWUTS:
-        socket.sethostname("sandbox")
+        socket.sethostname("localhost")  # resolvable everywhere (gloo crashes on a name it cannot resolve)
     if flags & CLONE_NEWNS:
         _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
         _expose(plan.expose, plan.cover, blocking=plan.uid is not None, private=plan.private,
