@@ -160,7 +160,7 @@ def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
     result = CheckResult(c.name, "pass", c.points, c.points, hidden=c.hidden)
     try:
         if c.needs_run:
-            made_runs(Records(records))
+            _gate(c, records)
         value = c.func(Records(records))
         if isinstance(value, Partial):
             result.points = round(c.points * value.fraction, 4)
@@ -178,6 +178,21 @@ def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
         result.detail = traceback.format_exc(limit=3)
     result.duration_s = time.perf_counter() - start
     return result
+
+
+def _gate(c: Check, records: Mapping[str, Any]) -> None:
+    """Fail a `needs_run` check when the notebook made no real run; a record it needs that was never made is
+    reported first (`missing` says more: the run stopped before it)."""
+    try:
+        made_runs(Records(records))
+    except AssertionError:
+        try:
+            c.func(Records(records))
+        except MissingRecord:
+            raise
+        except Exception:  # noqa: BLE001 - the verdict is the missing run's, whatever the check would say
+            pass
+        raise
 
 
 def run_checks(checks: list[Check], records: Mapping[str, Any]) -> list[CheckResult]:
@@ -204,7 +219,7 @@ def evidence(r: Mapping, run_dir: str) -> dict:
 def made_runs(r: Mapping) -> dict:
     """Every run this notebook made whose events are plausible, by run dir; fails the check if there is none."""
     from .evidence import RUNS
-    runs = r[RUNS]  # absent outside the grader and SelfCheck: the check ends as `missing`
+    runs = r.get(RUNS)  # absent when no event file could be read: no real run either
     real = {k: v for k, v in runs.items() if isinstance(v, Mapping) and not v.get("implausible")} \
         if isinstance(runs, Mapping) else {}
     if not real:
