@@ -289,3 +289,29 @@ def test_grade_and_labs_release_cli_surface_is_frozen():
             "--no-sandbox", "--hide", "--workdir", "--keep-workdirs", "--json"} <= flags
     release = commands["labs"]._subparsers._group_actions[0].choices["release"]
     assert {"--out", "--labs-root"} <= {opt for a in release._actions for opt in a.option_strings}
+
+
+def test_a_hidden_check_failing_without_a_message_does_not_show_its_rule(tmp_path):
+    (tmp_path / "hidden_checks.py").write_text(
+        'from scalelab.grade.checks import check\n\n@check(points=1)\ndef secret_rule(r):\n'
+        '    """w must equal 42.1337 exactly."""\n    assert r["w"] == 42.1337\n')
+    (tmp_path / "checks.py").write_text(
+        'from scalelab.grade.checks import check\n\n@check(points=1)\ndef public_rule(r):\n'
+        '    """w is positive."""\n    assert r["w"] > 0\n')
+    from scalelab.grade.checks import run_checks
+    results = {c.name: c for c in run_checks(lab_checks(tmp_path), {"w": -1})}
+    assert results["secret_rule"].message == "not met (a hidden check: its rule is not shown)"
+    assert "42.1337" not in results["secret_rule"].message
+    assert results["public_rule"].message == "w is positive.: not met"  # a public check's rule is no secret
+
+
+def test_student_names_keep_any_script_and_length_and_file_keys_stay_short_and_distinct():
+    from scalelab.grade.grader import student_name
+    from scalelab.grade.report import csv_cell, file_key
+    assert student_name("Zoë 李雷") == "Zoë_李雷" and student_name("../etc\x00x") == "_etc_x"
+    a, b = student_name("a" * 300 + "1"), student_name("a" * 300 + "2")
+    assert len(a) == len(b) == 100 and a != b
+    keys = {file_key(n) for n in ("Zoë_李雷", "Zoe_李雷", a, b, "+SUM(1,2)", "alice")}
+    assert len(keys) == 6 and all(len(k) <= 71 and k.isascii() for k in keys) and "alice" in keys
+    assert [csv_cell(x) for x in ("=1+1", "+x", "-2", "@a", "\tq", "ok", 3.5)] == \
+        ["'=1+1", "'+x", "'-2", "'@a", "'\tq", "ok", 3.5]

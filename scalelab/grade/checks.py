@@ -171,7 +171,9 @@ def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
         result.message = f"the notebook did not record {e.args[0]!r}: run the cell that records it"
     except AssertionError as e:
         result.outcome, result.points = "fail", 0.0
-        result.message = str(e) or f"{c.description}: not met"
+        # A hidden check's docstring states its rule: never shown, not even for an assert without a message.
+        result.message = str(e) or ("not met (a hidden check: its rule is not shown)" if c.hidden
+                                    else f"{c.description}: not met")
     except Exception as e:  # noqa: BLE001 - a check that crashes must not crash the grader
         result.outcome, result.points = "error", 0.0
         result.message = f"check raised {type(e).__name__}: {e}"
