@@ -82,7 +82,7 @@ def batch(tmp_path_factory, slurm_cluster):
             "by_prefix": {"long_": next(n for n in by if n.startswith("long_"))}}
 
 
-ATTACKS = ("pid_hopper", "proc_snoop", "kills_runner", "writes_outcome", "munge", "flood_output",
+ATTACKS = ("pid_hopper", "litters", "proc_snoop", "kills_runner", "writes_outcome", "munge", "flood_output",
            "injected_parameters", "foreign_kernel", "reassigns_parameters")
 
 
@@ -220,7 +220,7 @@ def test_reports_gradebook_and_feedback(batch):
     rows = (out / "gradebook.csv").read_text().splitlines()
     assert rows[0].startswith("student,percent,score,max_score,status,message,mean_is_right,loss_is_small,"
                               "loss_matches_the_run (hidden),w_is_the_mean (hidden)")
-    assert len(rows) == 1 + 25 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
+    assert len(rows) == 1 + 26 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
     page = (out / "feedback" / "wrong_answer.html").read_text()
     assert "6 / 8 (75 %)" in page and "w did not converge" in page and "(hidden check)" in page
     assert json.loads((out / "results" / "forged_record.json").read_text())["score"] == 5
@@ -241,6 +241,19 @@ def test_a_pid_hopping_daemon_does_not_outlive_its_run(batch):
     assert (r["status"], r["score"]) == ("ok", 8)
     assert read_records(batch["out"] / r["notebook"])["hopper_started"] is True and r["sandbox"]["uid"]
     assert batch["uids_after"] == set()  # 20 looks over a second after the batch: no process of any run
+
+
+@pytest.mark.usefixtures("_as_root")
+def test_nothing_a_run_wrote_outside_its_folder_or_its_shared_memory_is_left_on_the_host(batch):
+    r = batch["by"]["litters"]
+    records = read_records(batch["out"] / r["notebook"])
+    assert records["shm_created"] is True and "/tmp" in records["litter_written"]  # it did write, inside the run
+    folders = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/run", "/home", "/root", "/etc", "/usr/local", "/opt",
+               "/var/lib", "/srv"]
+    left = [f for f in folders if (Path(f) / make_fixtures.LITTER_MARK).exists()]
+    assert left == [], f"files of a graded run left on the host in {left}"
+    segments = Path("/proc/sysvipc/shm").read_text()
+    assert f"{0x5ca1ab1e:d}" not in segments.split() and "5ca1ab1e" not in segments
 
 
 @pytest.mark.usefixtures("_as_root")
