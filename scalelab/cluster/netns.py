@@ -121,6 +121,11 @@ def shape(node: str, rate: str) -> None:
           "burst", str(burst), "latency", "100ms"])
 
 
+def unshape(node: str) -> None:
+    """Take the token bucket off node's link (the full speed of a veth again)."""
+    _run(["tc", "-n", ns_name(node), "qdisc", "del", "dev", NODE_DEV, "root"], check=False)
+
+
 def link_rate(node: str) -> str | None:
     """The tbf rate on node's link as tc reports it ("1Gbit"), or None when it is not shaped."""
     r = _run(["tc", "-n", ns_name(node), "qdisc", "show", "dev", NODE_DEV], check=False)
@@ -212,5 +217,5 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 __all__ = ["BRIDGE", "SUBNET", "NODE_DEV", "host_addr", "node_addr", "ns_name", "rate_bits", "unavailable",
-           "ensure_bridge", "owner", "add_node", "shape", "link_rate", "node_command", "pids", "kill_node", "remove_node",
+           "ensure_bridge", "owner", "add_node", "shape", "unshape", "link_rate", "node_command", "pids", "kill_node", "remove_node",
            "remove_all", "namespaces", "links", "mounts"]

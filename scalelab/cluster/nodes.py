@@ -296,6 +296,15 @@ class NodesCluster(LocalCluster):
                 result["up"] = False
         return result
 
+    def set_link_rate(self, rate: str | None) -> None:
+        """Shape every node's link to `rate` ("1gbit"), or take the shaping off (None), on the running cluster."""
+        if rate:
+            netns.rate_bits(rate)
+        for node in self.node_names:
+            netns.shape(node, rate) if rate else netns.unshape(node)
+        self.link_rate = rate
+        (self.state_dir / "nodes.json").write_text(json.dumps(self._shape()) + "\n")
+
     def kill_node(self, node: str) -> None:
         """Kill node's slurmd and every process on it with SIGKILL: a node lost mid-run (for tests and labs)."""
         if node not in self.node_names:

@@ -100,5 +100,60 @@ def unreachable_nodes(nodes: list[str], env: dict, timeout: float = 2.0) -> dict
     return found
 
 
-__all__ = ["unreachable_nodes", "job_phase", "job_active", "slurm_env", "slurm_command", "job_fields", "PENDING_STATES",
+def allocation(env: dict | None = None) -> dict | None:
+    """The allocation this process is inside: {"job_id", "nodes", "nodelist", "cpus_per_node"}; None outside one."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job:
+        return None
+    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    return {"job_id": job, "nodes": nodes, "nodelist": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""),
+            "cpus_per_node": _per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""), nodes)}
+
+
+def _per_node(text: str, nodes: int) -> list[int]:
+    """"2(x2),1" -> [2, 2, 1]: Slurm's compressed per-node counts."""
+    counts = []
+    for part in filter(None, text.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts or [1] * nodes
+
+
+_QUEUE_FORMAT = "%i|%u|%j|%T|%D|%N|%r|%M"  # job id, user, name, state, nodes, node list, reason, time used
+_QUEUE_KEYS = ("job_id", "user", "name", "state", "nodes", "nodelist", "reason", "time")
+
+
+def snapshot(env: dict | None = None, user: str | None = None) -> dict:
+    """What a student wants to see of the cluster, from any Slurm: {"conf", "nodes", "partitions", "queue", "mine",
+    "allocation", "error"}; `error` says what failed (the rest then stays empty) instead of raising."""
+    import getpass
+
+    from .conf import parse_scontrol, summarise
+    base = dict(os.environ if env is None else env)
+    user = user or getpass.getuser()
+    result = {"conf": base.get("SLURM_CONF", "/etc/slurm/slurm.conf"), "nodes": [], "partitions": [], "queue": [],
+              "mine": [], "allocation": allocation(base), "error": None}
+    try:
+        env = slurm_env(base)
+        result["conf"] = env.get("SLURM_CONF", result["conf"])
+        nodes = slurm_command(["scontrol", "show", "node", "-o"], env, timeout=15)
+        parts = slurm_command(["scontrol", "show", "partition", "-o"], env, timeout=15)
+        queue = slurm_command(["squeue", "-h", "-o", _QUEUE_FORMAT], env, timeout=15)
+    except LaunchError as e:
+        return {**result, "error": str(e)}
+    failed = next((r for r in (nodes, parts, queue) if r.returncode), None)
+    if failed is not None:
+        return {**result, "error": f"`{' '.join(failed.args)}` failed: {(failed.stderr or failed.stdout).strip()}"}
+    raw_nodes = parse_scontrol(nodes.stdout, "NodeName")
+    summary = summarise(raw_nodes, parse_scontrol(parts.stdout, "PartitionName"))
+    for node, raw in zip(summary["nodes"], raw_nodes):
+        node["addr"] = raw.get("NodeAddr")
+    jobs = [dict(zip(_QUEUE_KEYS, line.split("|"))) for line in queue.stdout.splitlines() if line.count("|") == 7]
+    return {**result, "nodes": summary["nodes"], "partitions": summary["partitions"], "queue": jobs,
+            "mine": [j for j in jobs if j["user"] == user]}
+
+
+__all__ = ["allocation", "snapshot", "unreachable_nodes", "job_phase", "job_active", "slurm_env", "slurm_command", "job_fields", "PENDING_STATES",
            "RUNNING_STATES", "HELD_STATES", "COMPLETING_STATES"]

@@ -18,7 +18,7 @@ import random
 import re
 import shlex
 
-from ..cluster.slurm import slurm_command, unreachable_nodes
+from ..cluster.slurm import allocation, slurm_command, unreachable_nodes
 from ..errors import LaunchError
 from ..paths import require_tool
 from ..run.procs import DISTRIBUTED_PREFIXES, DISTRIBUTED_VARS
@@ -29,27 +29,6 @@ _FAILED = re.compile(r"(?:(\S+): )?task (\d+): (?:Exited|Killed|Terminated|Segme
 # What a step of the enclosing job (JupyterLab started with srun) set for itself; the new step gets its own.
 _STEP_VARS = re.compile(r"^SLURM_(STEP_\w+|STEPID|PROCID|LOCALID|NODEID|TASK_PID|CPU_BIND\w*|PRIO_PROCESS|"
                         r"UMASK|SRUN_COMM_\w+|LAUNCH_NODE_IPADDR|GTIDS|DISTRIBUTION)$")
-
-
-def allocation(env: dict | None = None) -> dict | None:
-    """The allocation this process is inside: {"job_id", "nodes", "nodelist", "cpus_per_node"}; None outside one."""
-    env = os.environ if env is None else env
-    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    if not job:
-        return None
-    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    return {"job_id": job, "nodes": nodes, "nodelist": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""),
-            "cpus_per_node": _per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""), nodes)}
-
-
-def _per_node(text: str, nodes: int) -> list[int]:
-    """"2(x2),1" -> [2, 2, 1]: Slurm's compressed per-node counts."""
-    counts = []
-    for part in filter(None, text.split(",")):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if m:
-            counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts or [1] * nodes
 
 
 def check_fits(spec, alloc: dict) -> None:
