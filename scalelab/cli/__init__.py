@@ -19,6 +19,7 @@ COMMANDS = [
     "scalelab.cli.cluster",   # scalelab cluster up|down|status
     "scalelab.cli.hub",       # scalelab hub, scalelab kernels
     "scalelab.cli.grade",     # scalelab grade, scalelab labs release
+    "scalelab.cli.course",    # scalelab course collect|return|gradebook
     "scalelab.cli.site",      # scalelab site build
 ]
 

@@ -132,6 +132,42 @@ def write_gradebook(out: Path) -> Path:
     return path
 
 
+def course_gradebook(grades_root: Path, out_csv: Path | None = None, late: dict[str, set[str]] | None = None) -> Path:
+    """One CSV for the whole course from every `<grades_root>/<lab>/results/*.json`: a row per student, for each lab
+    its percent and status (and `late` when the lab's collection said so), then the average over the labs.
+
+    Columns an LMS import takes: `Student`, `<lab> (%)` per lab, `Average (%)`; cells neutralised like the lab
+    gradebooks. A student without a result for a lab gets an empty cell (and counts 0 in the average)."""
+    grades_root = Path(grades_root)
+    labs = sorted(d for d in grades_root.iterdir() if (d / "results").is_dir())
+    if not labs:
+        raise FileNotFoundError(f"no graded labs under {grades_root} (expected <lab>/results/*.json from "
+                                "`scalelab grade --out`)")
+    table: dict[str, dict[str, dict]] = {}
+    for lab in labs:
+        for r in load_results(lab):
+            table.setdefault(str(r.get("student", "")), {})[lab.name] = r
+    late = late or {}
+    out_csv = Path(out_csv or grades_root / "course_gradebook.csv")
+    with _LOCK, open(out_csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        head = ["Student"]
+        for lab in labs:
+            head += [f"{lab.name} (%)", f"{lab.name} status", f"{lab.name} late"]
+        w.writerow([csv_cell(x) for x in [*head, "Average (%)"]])
+        for student in sorted(table):
+            row, total = [student], 0.0
+            for lab in labs:
+                r = table[student].get(lab.name)
+                pct = float(r.get("percent", 0.0)) if r else None
+                total += pct or 0.0
+                row += ["" if pct is None else pct, r.get("status", "") if r else "not graded",
+                        "yes" if student in late.get(lab.name, set()) else ""]
+            w.writerow([csv_cell(x) for x in [*row, round(total / len(labs), 2)]])
+    out_csv.with_suffix(".csv.tmp").replace(out_csv)
+    return out_csv
+
+
 def checks_table_html(checks: Iterable[Any]) -> str:
     """An HTML table of check results (CheckResult or their dicts): name, outcome, points, message."""
     rows = []
@@ -166,5 +202,5 @@ def feedback_html(data: dict) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["file_key", "csv_cell", "prepare_out_dir", "write_submission", "write_gradebook", "load_results", "result_to_dict",
+__all__ = ["file_key", "csv_cell", "course_gradebook", "prepare_out_dir", "write_submission", "write_gradebook", "load_results", "result_to_dict",
            "check_to_dict", "checks_table_html", "feedback_html"]

@@ -1,0 +1,135 @@
+"""`scalelab course collect|return|gradebook`: the instructor's week around `scalelab grade`.
+
+    scalelab course collect 01_single_device --deadline 2026-12-01T17:00     # from every student's home
+    scalelab grade 01_single_device build/collected/01_single_device/*/ -j 2
+    scalelab course return 01_single_device                                  # feedback.html into each home
+    scalelab course gradebook                                                # build/grades/course_gradebook.csv
+
+Students and their homes come from the hub's settings (`--config`, default hub_config/course.yaml): the class
+list (auth.allowed_users and the roster), and each student's home as the hub makes it (the Unix account's home
+with servers.run_as student-accounts, else servers.home). `--users` and `--homes` override them.
+"""
+from __future__ import annotations
+
+import json
+import pwd
+import sys
+from pathlib import Path
+
+from ..course.lab import GradingError
+from ..paths import labs_dir
+
+
+def add_cli(subparsers) -> None:
+    """Add `course` (collect, return, gradebook) to the `scalelab` command."""
+    p = subparsers.add_parser("course", help="collect labs from students' homes, return feedback, course gradebook",
+                              description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="course_command", metavar="ACTION", required=True)
+
+    def who(q):
+        q.add_argument("--config", help="the hub's course settings (default hub_config/course.yaml)")
+        q.add_argument("--users", help="students, comma-separated (default: the hub's class list)")
+        q.add_argument("--homes", metavar="TEMPLATE",
+                       help="each student's home, with {username} (default: as the hub makes them)")
+
+    c = sub.add_parser("collect", help="copy a lab from every student's home into a folder to grade")
+    c.add_argument("lab", help="lab folder (or a lab's name under labs/)")
+    who(c)
+    c.add_argument("--deadline", help="ISO 8601 date or time; notebooks modified after it are flagged late")
+    c.add_argument("--out", help="where the copies go (default build/collected/<lab>)")
+    c.set_defaults(func=collect_command)
+
+    r = sub.add_parser("return", help="write each student's feedback page into their copy of the lab")
+    r.add_argument("lab", help="lab folder (or a lab's name under labs/)")
+    who(r)
+    r.add_argument("--grades", help="the lab's report folder (default build/grades/<lab>)")
+    r.set_defaults(func=return_command)
+
+    g = sub.add_parser("gradebook", help="one CSV for the course: a row per student, a column per lab")
+    g.add_argument("--grades", default="build/grades", help="folder of the labs' report folders (default %(default)s)")
+    g.add_argument("--collected", default="build/collected",
+                   help="folder of the labs' collections, for the late flags (default %(default)s)")
+    g.add_argument("--out", help="the CSV (default <grades>/course_gradebook.csv)")
+    g.set_defaults(func=gradebook_command)
+
+
+def _lab(arg: str) -> Path:
+    path = Path(arg)
+    if not path.is_dir() and (labs_dir() / arg).is_dir():
+        path = labs_dir() / arg
+    if not (path / "lab.ipynb").is_file():
+        raise GradingError(f"{arg}: not a lab folder (no lab.ipynb there or under {labs_dir()})")
+    return path
+
+
+def student_homes(args) -> tuple[dict[str, Path], str]:
+    """{student: home} and the labs folder name inside homes, from --users/--homes or the hub's settings."""
+    from ..hub.settings import load_settings
+    cfg = load_settings(args.config)
+    users = [u.strip() for u in args.users.split(",") if u.strip()] if args.users else cfg["auth"]["allowed_users"]
+    if not users:
+        raise GradingError("no students: the hub's settings list none (auth.allowed_users, auth.roster); pass "
+                           "--users a,b,c")
+    homes = {}
+    for user in users:
+        if args.homes:
+            if "{username}" not in args.homes:
+                raise GradingError(f"--homes {args.homes!r} must contain {{username}}, e.g. /home/{{username}}")
+            homes[user] = Path(args.homes.format(username=user))
+        elif cfg["servers"]["run_as"] == "student-accounts":
+            try:
+                homes[user] = Path(pwd.getpwnam(user).pw_dir)
+            except KeyError:
+                homes[user] = Path("/nonexistent") / user  # no account yet: never signed in; reported missing
+        else:
+            homes[user] = Path(cfg["servers"]["home"].replace("{state_dir}", cfg["hub"]["state_dir"])
+                               .format(username=user))
+    return homes, cfg["labs"]["dest"]
+
+
+def collect_command(args) -> int:
+    """Collect one lab; prints a line per student and where the copies are."""
+    from ..course.collect import collect, parse_deadline
+    lab = _lab(args.lab)
+    homes, dest = student_homes(args)
+    out = Path(args.out or Path("build") / "collected" / lab.name).resolve()
+    deadline = parse_deadline(args.deadline) if args.deadline else None
+    found = collect(lab, homes, out, labs_dest=dest, deadline=deadline)
+    for c in found:
+        flag = " LATE" if c.late else ""
+        print(f"{c.student:<20} {c.status:<9}{flag} {c.modified or ''} {c.note}".rstrip())
+    got = [c for c in found if c.status in ("collected", "kept")]
+    print(f"collected {len(got)} of {len(found)} into {out}; grade them with:\n"
+          f"  scalelab grade {lab} {out}/*/ -j 2 --out build/grades/{lab.name}", file=sys.stderr)
+    return 0
+
+
+def return_command(args) -> int:
+    """Return the feedback pages of one graded lab."""
+    from ..course.collect import return_feedback
+    from ..grade.report import file_key
+    lab = _lab(args.lab)
+    homes, dest = student_homes(args)
+    grades = Path(args.grades or Path("build") / "grades" / lab.name)
+    if not (grades / "feedback").is_dir():
+        raise GradingError(f"{grades}: no feedback/ folder; grade the lab first (scalelab grade ... --out {grades})")
+    pages = {s: grades / "feedback" / f"{file_key(s)}.html" for s in homes}
+    done = return_feedback(lab.name, homes, pages, labs_dest=dest)
+    for r in done:
+        print(f"{r.student:<20} {r.path or 'not returned: ' + r.note}")
+    return 0
+
+
+def gradebook_command(args) -> int:
+    """Write the course gradebook from every graded lab."""
+    from ..grade.report import course_gradebook
+    late: dict[str, set[str]] = {}
+    for manifest in Path(args.collected).glob("*/collected.json"):
+        try:
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+            late[manifest.parent.name] = {s["student"] for s in data.get("students", []) if s.get("late")}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    path = course_gradebook(Path(args.grades), Path(args.out) if args.out else None, late)
+    print(path)
+    return 0

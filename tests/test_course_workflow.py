@@ -1,0 +1,162 @@
+"""The instructor's week on a real local hub with course accounts: collect → grade → return → course gradebook,
+for 3 students across 2 labs, with a student who plants symbolic links where the instructor reads and writes.
+
+The hub hands the two labs out when each student's server starts (provisioning into homes the students own);
+the test then plays the students (answers written as each student), and the instructor's commands run as root
+through the CLI.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from scalelab.cli import main
+from scalelab.course.release import release_lab
+from scalelab.testing.hub import HubRunner
+
+pytestmark = pytest.mark.slow
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+FIX = Path(__file__).parent / "fixtures" / "grading"
+LABS = ("90_fixture", "91_fixture")
+DEADLINE = "2026-01-01T12:00:00+00:00"
+_DUE = datetime.fromisoformat(DEADLINE).timestamp()
+ON_TIME, LATE = _DUE - 3600, _DUE + 3600  # an hour before and after the deadline
+
+
+@pytest.fixture(scope="module")
+def course():
+    if os.geteuid() != 0:
+        if CI:
+            pytest.fail("CI=true: the course workflow test needs root (course accounts)", pytrace=False)
+        pytest.skip("course accounts need root")
+    work = Path(tempfile.mkdtemp(prefix="course-week-"))
+    os.chmod(work, 0o755)
+    src = work / "src"
+    for name in LABS:  # two labs: the fixture lab and a copy of it under another name
+        shutil.copytree(FIX / "labs" / "90_fixture", src / name)
+        release_lab(src / name, work / "hub" / "labs" / name)
+    hub = HubRunner(work / "hub", mode="local", accounts=["ann", "ben", "cat"])
+    os.chmod(hub.workdir, 0o755)
+    hub.start()
+    try:
+        for short in ("ann", "ben", "cat"):
+            user = hub.login(short)
+            assert user.spawn().status_code in (201, 202), hub.log_tail()
+            user.wait_ready(timeout=120)
+            user.stop()
+        yield {"work": work, "src": src, "hub": hub, "homes": {s: Path(pwd.getpwnam(hub.user(s)).pw_dir)
+                                                               for s in ("ann", "ben", "cat")}}
+    finally:
+        hub.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _as(student: str, hub: HubRunner, *argv: str, stdin: bytes = b"") -> None:
+    subprocess.run(argv, input=stdin, check=True, user=hub.user(student), group=hub.user(student),
+                   extra_groups=[], capture_output=True, timeout=60)
+
+
+def _answer(course, student: str, lab: str, kind: str, mtime: float) -> None:
+    """Play the student: put a notebook in their copy of the lab, as them."""
+    nb = Path(course["homes"][student]) / "labs" / lab / "lab.ipynb"
+    text = (FIX / "submissions" / f"{kind}.ipynb").read_bytes()
+    _as(student, course["hub"], "sh", "-c", f"cat > '{nb}'", stdin=text)
+    os.utime(nb, (mtime, mtime), follow_symlinks=False)
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def week(course):
+    hub, work, homes = course["hub"], course["work"], course["homes"]
+    secret = work / "root-only.txt"  # what cat's planted links point at
+    secret.write_text("ROOT SECRET\n")
+    secret.chmod(0o600)
+    _answer(course, "ann", "90_fixture", "correct", ON_TIME)
+    _answer(course, "ben", "90_fixture", "wrong_answer", ON_TIME)
+    # cat never solved lab 90 (the copy the hub handed out stays), and in lab 91 plants links instead.
+    _answer(course, "ann", "91_fixture", "correct", ON_TIME)
+    _answer(course, "ben", "91_fixture", "correct", LATE)
+    cat90, cat91 = (homes["cat"] / "labs" / lab for lab in LABS)
+    _as("cat", hub, "sh", "-c", f"rm '{cat91}/lab.ipynb' && ln -s '{secret}' '{cat91}/lab.ipynb' && "
+                                f"ln -s '{secret}' '{cat90}/feedback.html'")
+    res = {}
+    for lab in LABS:
+        code, text = _cli("course", "collect", str(course["src"] / lab), "--config", str(hub.config_path),
+                          "--deadline", DEADLINE, "--out", str(work / "collected" / lab))
+        assert code == 0
+        res[f"collect {lab}"] = json.loads((work / "collected" / lab / "collected.json").read_text())
+        subs = sorted(str(p) for p in (work / "collected" / lab).iterdir() if p.is_dir())
+        code, _ = _cli("grade", str(course["src"] / lab), *subs, "-j", "2", "--out", str(work / "grades" / lab))
+        assert code == 0
+        code, text = _cli("course", "return", str(course["src"] / lab), "--config", str(hub.config_path),
+                          "--grades", str(work / "grades" / lab))
+        assert code == 0
+        res[f"return {lab}"] = text
+    code, path = _cli("course", "gradebook", "--grades", str(work / "grades"), "--collected",
+                      str(work / "collected"))
+    assert code == 0
+    with open(path.strip(), newline="", encoding="utf-8") as f:
+        res["gradebook"] = list(csv.DictReader(f))
+    res["secret"] = secret
+    return res
+
+
+def _students(manifest) -> dict:
+    return {s["student"].rsplit("-", 1)[-1]: s for s in manifest["students"]}
+
+
+def test_collect_takes_each_students_notebook_from_their_home_and_flags_late_work(course, week):
+    lab90, lab91 = _students(week["collect 90_fixture"]), _students(week["collect 91_fixture"])
+    assert {k: v["status"] for k, v in lab90.items()} == {"ann": "collected", "ben": "collected", "cat": "collected"}
+    assert (lab91["ann"]["late"], lab91["ben"]["late"]) == (False, True)
+    assert lab91["ben"]["modified"] == "2026-01-01T13:00:00+00:00"
+
+
+def test_a_planted_link_is_refused_not_followed(course, week):
+    cat = _students(week["collect 91_fixture"])["cat"]
+    assert cat["status"] == "refused" and "not collected" in cat["note"], cat
+    assert not (course["work"] / "collected" / "91_fixture" / course["hub"].user("cat")).exists()
+    for path in (course["work"] / "collected").rglob("*"):
+        if path.is_file():
+            assert "ROOT SECRET" not in path.read_text(errors="replace"), path
+
+
+def test_feedback_goes_back_into_each_home_as_the_student(course, week):
+    for short in ("ann", "ben"):
+        page = course["homes"][short] / "labs" / "90_fixture" / "feedback.html"
+        assert page.is_file() and "Score:" in page.read_text()
+        assert page.stat().st_uid == pwd.getpwnam(course["hub"].user(short)).pw_uid  # written as them, not root
+    assert "8 / 8" in (course["homes"]["ann"] / "labs" / "90_fixture" / "feedback.html").read_text()
+    # cat's feedback.html was a link to a root-only file: the page replaced the link, the file is untouched.
+    cat = course["homes"]["cat"] / "labs" / "90_fixture" / "feedback.html"
+    assert not cat.is_symlink() and "Score:" in cat.read_text()
+    assert week["secret"].read_text() == "ROOT SECRET\n" and week["secret"].stat().st_uid == 0
+    assert "not returned: no feedback" in week["return 91_fixture"].split(course["hub"].user("cat"))[1]
+
+
+def test_the_course_gradebook_has_a_row_per_student_and_a_column_per_lab(course, week):
+    rows = {r["Student"].rsplit("-", 1)[-1]: r for r in week["gradebook"]}
+    assert sorted(rows) == ["ann", "ben", "cat"]
+    assert (rows["ann"]["90_fixture (%)"], rows["ann"]["91_fixture (%)"], rows["ann"]["Average (%)"]) == \
+        ("100.0", "100.0", "100.0")
+    assert rows["ben"]["91_fixture late"] == "yes" and rows["ben"]["90_fixture late"] == ""
+    assert float(rows["ben"]["90_fixture (%)"]) < 100  # the wrong answer
+    assert rows["cat"]["91_fixture (%)"] == "" and rows["cat"]["91_fixture status"] == "not graded"
+    assert float(rows["cat"]["90_fixture (%)"]) < 100  # the unsolved copy the hub handed out
