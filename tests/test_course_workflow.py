@@ -160,3 +160,23 @@ def test_the_course_gradebook_has_a_row_per_student_and_a_column_per_lab(course,
     assert float(rows["ben"]["90_fixture (%)"]) < 100  # the wrong answer
     assert rows["cat"]["91_fixture (%)"] == "" and rows["cat"]["91_fixture status"] == "not graded"
     assert float(rows["cat"]["90_fixture (%)"]) < 100  # the unsolved copy the hub handed out
+
+
+def test_a_second_collect_after_the_deadline_keeps_the_on_time_snapshot(tmp_path):
+    from scalelab.course.collect import collect, parse_deadline
+    home = tmp_path / "homes" / "dee"
+    (home / "labs" / "90_fixture").mkdir(parents=True)
+    nb = home / "labs" / "90_fixture" / "lab.ipynb"
+    nb.write_text('{"first": 1}')
+    os.utime(nb, (ON_TIME, ON_TIME))
+    out, deadline = tmp_path / "collected", parse_deadline(DEADLINE)
+    first = collect(FIX / "labs" / "90_fixture", {"dee": home}, out, deadline=deadline)
+    assert (first[0].status, first[0].late) == ("collected", False)
+    nb.write_text('{"changed": 2}')  # after the deadline (today), with its time set back to look on time
+    os.utime(nb, (ON_TIME, ON_TIME))
+    second = collect(FIX / "labs" / "90_fixture", {"dee": home}, out, deadline=deadline)
+    assert (second[0].status, second[0].late) == ("kept", True)
+    assert (out / "dee" / "lab.ipynb").read_text() == '{"first": 1}'  # what is graded: the on-time snapshot
+    assert (out / "dee" / "late" / "lab.ipynb").read_text() == '{"changed": 2}'
+    with pytest.raises(Exception, match="not an ISO 8601 date"):
+        parse_deadline("next friday")
