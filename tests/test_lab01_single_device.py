@@ -53,7 +53,9 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path
     (lambda r: r["ladder"][-1].update(speedup=r["ladder"][-1]["speedup"] * 2), "ladder_is_consistent"),
     (lambda r: r["split"].update(full=10 * r["split"]["data"]), "full_step_cannot_beat_its_slowest_stage"),
     (lambda r: r.pop("profile"), "profile_saved"),
-    (lambda r: r.update(baseline_samples_per_s=100 * r["inprocess_full_sps"]), "engine_and_process_agree"),
+    (lambda r: r.update(baseline_samples_per_s=100 * r["inprocess_full_sps"]), "baseline_is_the_engine_run"),
+    (lambda r: r.update(inprocess_full_sps=r["inprocess_full_sps"] / 100), "engine_and_process_agree"),
+    (lambda r: r.update(baseline_run_dir="runs/elsewhere"), "baseline_is_the_engine_run"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -54,6 +54,8 @@ def _no_broadcast(r):
      "same_run_two_ways"),
     (lambda r: r["timeline"].update(ok=False, error="skipped"), "timeline_recorded"),
     (lambda r: r["engine_runs"][1].update(samples_per_s=1.0), "throughput_is_the_sum_of_ranks"),
+    (lambda r: r["engine_runs"][1].update(samples_per_s=2 * r["engine_runs"][1]["samples_per_s"]),
+     "engine_runs_are_the_engine_runs"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -49,6 +49,8 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path
 
 @pytest.mark.parametrize("forge, check_name", [
     (lambda r: r.update(karp_flatt=r["karp_flatt"] + 0.05), "karp_flatt_recomputed"),
+    (lambda r: r["weak_rows"][-1].update(samples_per_s=2 * r["weak_rows"][-1]["samples_per_s"]),
+     "sweeps_are_the_engine_runs"),
     (lambda r: r.update(amdahl_64=r["amdahl_64"] * 2), "serial_fraction_estimated"),
     (lambda r: [x.update(lr=x["lr"] * 2) for x in r["lr_study"] if x["rule"] == "sqrt"], "learning_rates_scaled"),
     (lambda r: r.update(b_noise=r["b_noise"] * 1.1), "noise_scale_recomputed"),

@@ -62,6 +62,7 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path)
     (lambda r: r["formats"][1].update(samples_per_s=r["formats"][1]["samples_per_s"] * 2),
      "format_rows_are_consistent"),
     (lambda r: r["engine_formats"][1].update(final_loss=0.0), "engine_trains_from_both_layouts"),
+    (lambda r: r["engine_formats"][0].update(data_fraction=0.0), "engine_formats_are_the_engine_runs"),
     (lambda r: r.pop("cache_epochs"), "cache_serves_later_epochs"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
