@@ -193,10 +193,10 @@ def test_a_grader_failure_on_one_submission_stays_with_it(tmp_path, monkeypatch)
         subs.append(tmp_path / f"{name}.ipynb")
     real = grader._collect
 
-    def flaky(ctx, job, sub, outcome, result, shipped):
+    def flaky(ctx, job, sub, outcome, result, shipped, started=None):
         if sub.student == "ann":
             raise RuntimeError("disk on fire")
-        return real(ctx, job, sub, outcome, result, shipped)
+        return real(ctx, job, sub, outcome, result, shipped, started)
     monkeypatch.setattr(grader, "_collect", flaky)
     batch = grade(LAB, subs, tmp_path / "out", GradeOptions(jobs=2))
     by = {r.student: r for r in batch.results}

@@ -225,6 +225,7 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     settings = ctx.lab.grading
     opts = ctx.options
     key = file_key(sub.student)
+    started = time.time()  # no event of this run can be older: its working copy does not exist yet
     job = Path(tempfile.mkdtemp(prefix=f"{key[:40]}-", dir=ctx.base))
     result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
     problem = copy_submission(sub.path, job / "work")
@@ -256,14 +257,14 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
                               ctx.out / "instructor" / "logs" / f"{key}.log")
     finally:
         cleanup(plan)
-    _collect(ctx, job, sub, outcome, result, shipped)
+    _collect(ctx, job, sub, outcome, result, shipped, started)
     if not opts.keep_workdirs:
         shutil.rmtree(job, ignore_errors=True)
     return result
 
 
 def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: SubmissionResult,
-             shipped: set[str]) -> None:
+             shipped: set[str], started: float | None = None) -> None:
     """Read the run's notebook and evidence (untrusted), run the checks, fill `result`."""
     status = outcome.get("status")
     result.status = status if status in STATUSES else "grader_error"
@@ -288,7 +289,7 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
         result.notes.append(f"records in the grader's namespace were ignored: {cap_text(str(forged), 300)}")
     if result.status not in ("malformed",):
         try:
-            found = run_evidence(job / "work")
+            found = run_evidence(job / "work", started=started)
             found[RUNS] = {k: v for k, v in found[RUNS].items() if k not in shipped}
         except Exception as e:  # noqa: BLE001 - event files are written by the student's processes
             found = {}
