@@ -25,6 +25,8 @@ from scalelab.grade.confine import confinement_leaks
 from scalelab.grade.sandbox import verify_network_isolation
 
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
+import make_fixtures  # noqa: E402
 
 
 @pytest.fixture
@@ -140,30 +142,9 @@ def test_memory_limit_stops_a_big_allocation():
     assert "MemoryError" in proc.stderr and "allocated" not in proc.stdout
 
 
-# A daemon that escapes the process tree (double fork + setsid) and then hops: every 20 ms it forks a copy of itself
-# and exits, so its pid keeps changing and a list of pids taken once is always out of date.
-# Each hop writes its count to BEAT, so the test can tell whether it still lives (a list of its pids cannot).
-PID_HOPPER = """
-import os, time
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        n = 0
-        while True:
-            time.sleep(0.02)
-            n += 1
-            if BEAT:
-                with open(BEAT, "w") as f:
-                    f.write(str(n))
-            if os.fork():
-                os._exit(0)
-    os._exit(0)
-time.sleep(0.5)
-print("started")
-"""
+def _hopper(beat: Path) -> str:
+    """The fixtures' pid-hopping daemon, beating into `beat` and printing "started" once it is off."""
+    return make_fixtures.PID_HOPPER.replace("BEAT = None", f"BEAT = {str(beat)!r}").replace("DONE", 'print("started")')
 
 
 def _beats(path: Path, wait: float) -> bool:
@@ -185,7 +166,7 @@ def test_a_pid_hopping_daemon_dies_with_the_runs_pid_namespace(open_tmp):
     plan = plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False))
     assert plan.pidns
     try:
-        proc = _confined(plan, PID_HOPPER.replace("BEAT", repr(str(beat))))
+        proc = _confined(plan, _hopper(beat))
         assert proc.stdout.strip() == "started", proc.stderr
         assert beat.exists()  # it did hop inside the run
         alive = _beats(beat, 0.5)  # before any clean-up of ours: the namespace's end took the daemon with it
@@ -200,7 +181,7 @@ def test_cleanup_kills_a_pid_hopping_daemon_by_uid_until_none_is_left(open_tmp):
     beat = open_tmp / "beat"
     plan = plan_sandbox(SandboxPolicy(memory_mb=None))
     try:  # started as the run's uid outside any namespace: as if it had escaped the run's init and subreaper
-        proc = subprocess.run([sys.executable, "-c", PID_HOPPER.replace("BEAT", repr(str(beat)))], user=plan.uid,
+        proc = subprocess.run([sys.executable, "-c", _hopper(beat)], user=plan.uid,
                               group=plan.gid, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
         assert proc.stdout.strip() == "started", proc.stderr
         assert _beats(beat, 0.5), "the daemon should be alive and hopping"
