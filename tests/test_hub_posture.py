@@ -124,6 +124,16 @@ def test_a_success_clears_the_count_and_locks_expire():
     assert not auth._failures.get(("name", "dave"))
 
 
+def test_a_name_off_the_list_with_the_right_password_is_told_so_and_a_wrong_password_is_not():
+    auth = CourseSharedPasswordAuthenticator(user_password="right-password-123", allowed_users={"alice"})
+    with pytest.raises(web.HTTPError) as e:
+        asyncio.run(auth.authenticate(_handler(), {"username": "alicee", "password": "right-password-123"}))
+    assert e.value.status_code == 403 and "'alicee' is not on this course's class list" in e.value.log_message
+    # a stranger without the password learns nothing about the list: the usual refusal
+    assert asyncio.run(auth.authenticate(_handler(), {"username": "alicee", "password": "guess"})) is None
+    assert asyncio.run(auth.authenticate(_handler(), {"username": "alice", "password": "right-password-123"}))
+
+
 # -- spawn links and job logs ----------------------------------------------------------------------------------
 
 def test_a_spawn_link_is_refused_unless_the_course_allows_it():

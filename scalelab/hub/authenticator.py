@@ -15,6 +15,7 @@ from collections import deque
 from hmac import compare_digest
 
 from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
+from jupyterhub.utils import maybe_future
 from tornado import web
 from traitlets import Dict, Float, Integer
 
@@ -55,8 +56,15 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
         if result is None:
             for key in keys:
                 self._fail(key, now)
-        else:
-            self._failures.pop(keys[0], None)
+            return None
+        self._failures.pop(keys[0], None)
+        name = result["name"]
+        if not await maybe_future(self.check_allowed(name, result)):
+            # Only someone who knows the course's password learns this (no list of names for strangers to probe);
+            # "Invalid username or password" made students think the password was wrong.
+            self.log.warning("Sign-in with the right password under a name off the list: %r", name[:64])
+            raise web.HTTPError(403, f"The name {name[:64]!r} is not on this course's class list (the password was "
+                                     "right): sign in with the name your instructor gave you")
         return result
 
     async def _check_password(self, handler, data):
