@@ -118,6 +118,20 @@ def test_lab_page_hides_solutions_keeps_outputs_and_drops_grader_plumbing():
     assert len({c["id"] for c in page["cells"]}) == len(page["cells"]), "cell ids stay unique"
 
 
+def test_a_page_says_on_what_machine_and_under_what_load_it_was_measured():
+    lab = load_lab(FIXTURE)
+    executed = executed_copy(json.loads(lab.notebook.read_text()))
+    stamp = {"machine": {"cpus": 2, "cpu_model": "Test CPU", "memory_gib": 23.4, "gpus": 0},
+             "load": {"before": 0.4, "after": 5.1}, "executed_at": "2026-11-23 10:00:00 +0000"}
+    note = "".join(sb.lab_page(executed, lab, None, stamp)["cells"][1]["source"])
+    assert "**Measured on:** 2 CPUs (Test CPU), 23.4 GiB of memory, no GPU" in note
+    assert "load average 0.4 before the run and 5.1 after" in note and "busy with other work" in note
+    quiet = {**stamp, "load": {"before": 0.2, "after": 1.1}}
+    assert "busy" not in "".join(sb.lab_page(executed, lab, None, quiet)["cells"][1]["source"])
+    real = sb.machine_summary()
+    assert real["cpus"] >= 1 and real["memory_gib"] > 0
+
+
 def test_a_lab_is_executed_once_per_content_and_again_when_its_files_change(lab_copy, tmp_path, fake_execute):
     executed = tmp_path / "executed"
     first = sb.ensure_executed(lab_copy, executed)

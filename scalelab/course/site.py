@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def _execute(lab: Lab, work: Path, digest: str) -> ExecutedLab:
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(lab.path / rel, work / rel)
     g = lab.grading
+    load_before = _load()
     try:
         result = execute_notebook(lab.notebook, g.parameters, output_path=work / NOTEBOOK, cwd=work,
                                   cell_timeout=g.cell_timeout_s, total_timeout=g.total_timeout_s)
@@ -135,9 +137,50 @@ def _execute(lab: Lab, work: Path, digest: str) -> ExecutedLab:
     if not result.ok:
         raise LabExecutionFailed({lab.name: f"{result.error.details()}\nexecuted copy: {result.output_path}"})
     stamp = {"hash": digest, "lab": lab.name, "parameters": g.parameters, "duration_s": round(result.duration_s, 1),
-             "executed_at": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+             "executed_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+             "machine": machine_summary(), "load": {"before": load_before, "after": _load()}}
     _write_if_changed(work / STAMP, json.dumps(stamp, indent=1) + "\n")
     return ExecutedLab(lab.name, work / NOTEBOOK, digest, False, result.duration_s)
+
+
+def machine_summary() -> dict:
+    """What the numbers on a page were measured on: CPUs (and their model), memory, GPUs."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpus = len([p for p in Path("/dev").glob("nvidia[0-9]*")])
+    return {"cpus": os.cpu_count() or 0, "cpu_model": model, "memory_gib": round(mem, 1), "gpus": gpus}
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def measured_on(stamp: dict) -> str:
+    """One sentence for a page: the machine and the load its numbers were measured under."""
+    m, load = stamp.get("machine") or {}, stamp.get("load") or {}
+    if not m:
+        return ""
+    what = f"{m.get('cpus')} CPUs" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")
+    what += f", {m.get('memory_gib')} GiB of memory, " + (f"{m['gpus']} GPUs" if m.get("gpus") else "no GPU")
+    text = f"**Measured on:** {what}"
+    if load.get("before") is not None and load.get("after") is not None:
+        busy = max(load["before"], load["after"]) > (m.get("cpus") or 1)
+        text += (f"; load average {load['before']:g} before the run and {load['after']:g} after" +
+                 (" — the machine was busy with other work, so speed-ups here are lower than on a quiet one"
+                  if busy else ""))
+    if stamp.get("executed_at"):
+        text += f" ({stamp['executed_at']})"
+    return text + "."
 
 
 def _read_stamp(path: Path) -> dict:
@@ -153,7 +196,7 @@ def hide_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     return replace_solutions(source, [HIDDEN], where, SiteBuildError)
 
 
-def lab_page(executed: dict, lab: Lab, download: str | None = None) -> dict:
+def lab_page(executed: dict, lab: Lab, download: str | None = None, stamp: dict | None = None) -> dict:
     """The notebook a lab's page is rendered from: solutions hidden, outputs kept, grader plumbing removed."""
     nb = copy.deepcopy(executed)
     cells = []
@@ -168,7 +211,7 @@ def lab_page(executed: dict, lab: Lab, download: str | None = None) -> dict:
             cell["source"], _ = hide_solutions(source, f"{lab.name}/{NOTEBOOK}: cell {index} (id {cell.get('id')!r})")
             cell["outputs"] = [o for o in map(_page_output, cell.get("outputs", [])) if o is not None]
         cells.append(cell)
-    nb["cells"] = _with_note(cells, _note(lab, download))
+    nb["cells"] = _with_note(cells, _note(lab, download, stamp or {}))
     for key in RUN_METADATA:
         nb.setdefault("metadata", {}).pop(key, None)
     return nb
@@ -193,7 +236,7 @@ def _page_output(output: dict) -> dict | None:
     return output
 
 
-def _note(lab: Lab, download: str | None) -> str:
+def _note(lab: Lab, download: str | None, stamp: dict | None = None) -> str:
     params = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in lab.grading.parameters.items()) or "its defaults"
     lines = [":::{note}",
              f"**Time:** about {lab.minutes} minutes." if lab.minutes else "",
@@ -202,6 +245,7 @@ def _note(lab: Lab, download: str | None) -> str:
              f"`{HIDDEN}`; their outputs are left in, so you can compare your numbers.",
              f"{{download}}`Download the lab <{download}>` (notebook and self-checks) or open it on the course hub; "
              "[Setup](../setup.md) says how." if download else "[Setup](../setup.md) says how to run it yourself.",
+             measured_on(stamp or {}),
              ":::"]
     return "\n".join(line for line in lines if line) + "\n"
 
@@ -250,7 +294,8 @@ def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]]) -> Path
     for lab, executed in labs:
         download = f"../_student/{lab.name}.zip"
         put(f"_student/{lab.name}.zip", student_zip(lab.path))
-        page = lab_page(json.loads(executed.read_text(encoding="utf-8")), lab, download)
+        page = lab_page(json.loads(executed.read_text(encoding="utf-8")), lab, download,
+                        _read_stamp(executed.parent / STAMP))
         put(f"labs/{lab.name}.ipynb", json.dumps(page, indent=1, ensure_ascii=False) + "\n")
         entries[lab.name.split("_")[0]] = {"doc": f"labs/{lab.name}", "title": lab.title, "minutes": lab.minutes}
     put("labs/index.md", labs_index([lab for lab, _ in labs]))
