@@ -26,7 +26,7 @@ ALLOWED = {
     "experiments": {"run", "cluster", "data", "ckpt", "train", "launch"},
     "course": {"run"},
     "grade": {"run", "course"},
-    "hub": {"run", "cluster", "course"},
+    "hub": {"run", "cluster", "course", "grade"},
     "testing": {"run", "cluster", "course", "grade", "hub"},
     "cli": {"run", "cluster", "data", "ckpt", "train", "launch", "experiments", "course", "grade", "hub"},
     "widgets": {"run", "cluster", "data", "ckpt", "train", "launch", "experiments", "course", "grade"},

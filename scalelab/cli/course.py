@@ -12,7 +12,6 @@ with servers.run_as student-accounts, else servers.home). `--users` and `--homes
 from __future__ import annotations
 
 import json
-import pwd
 import sys
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def _lab(arg: str) -> Path:
 
 def student_homes(args) -> tuple[dict[str, Path], str]:
     """{student: home} and the labs folder name inside homes, from --users/--homes or the hub's settings."""
-    from ..hub.settings import load_settings
+    from ..hub.settings import load_settings, student_home
     cfg = load_settings(args.config)
     users = [u.strip() for u in args.users.split(",") if u.strip()] if args.users else cfg["auth"]["allowed_users"]
     if not users:
@@ -76,14 +75,8 @@ def student_homes(args) -> tuple[dict[str, Path], str]:
             if "{username}" not in args.homes:
                 raise GradingError(f"--homes {args.homes!r} must contain {{username}}, e.g. /home/{{username}}")
             homes[user] = Path(args.homes.format(username=user))
-        elif cfg["servers"]["run_as"] == "student-accounts":
-            try:
-                homes[user] = Path(pwd.getpwnam(user).pw_dir)
-            except KeyError:
-                homes[user] = Path("/nonexistent") / user  # no account yet: never signed in; reported missing
-        else:
-            homes[user] = Path(cfg["servers"]["home"].replace("{state_dir}", cfg["hub"]["state_dir"])
-                               .format(username=user))
+        else:  # no account yet (never signed in): reported missing
+            homes[user] = student_home(cfg, user) or Path("/nonexistent") / user
     return homes, cfg["labs"]["dest"]
 
 

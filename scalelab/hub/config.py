@@ -24,6 +24,7 @@ AUTHENTICATOR = "scalelab.hub.authenticator.CourseSharedPasswordAuthenticator"
 #: Login names allowed: they become directory names, Slurm job names and (with PAM) Unix accounts.
 USERNAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
+DASHBOARD_SCOPES = ["list:users", "read:users", "read:servers"]  # scalelab.hub.dashboard: reads, never acts
 
 
 def python_bin(cfg: Mapping) -> str:
@@ -198,6 +199,28 @@ def apply_settings(c, cfg: Mapping, passwords: Mapping | None = None) -> None:
         update_local_spawner(c, cfg)
     update_labs(c, cfg)
     update_culler(c, cfg)
+    update_dashboard(c, cfg)
+
+
+def update_dashboard(c, cfg: Mapping) -> None:
+    """The class dashboard (scalelab.hub.dashboard) as a hub-managed service: its token may only read users and
+    servers; hub admins and dashboard.instructors may open it (access:services!service=dashboard), nobody else."""
+    from .settings import ENV_OVERRIDES, ENV_SETTINGS
+    dash = cfg["dashboard"]
+    services = [s for s in (c.JupyterHub.get("services") or []) if s.get("name") != "dashboard"]
+    roles = [r for r in (c.JupyterHub.get("load_roles") or [])
+             if r.get("name") not in ("dashboard", "course-instructors")]
+    if dash["enabled"]:
+        env = {k: os.environ[k] for k in (ENV_SETTINGS, ENV_OVERRIDES, "PATH", "LANG") if k in os.environ}
+        services.append({"name": "dashboard", "url": f"http://{cfg['hub']['hub_ip']}:{dash['port']}",
+                         "command": [sys.executable, "-m", "scalelab.hub.dashboard"], "environment": env,
+                         "display": True, "oauth_no_confirm": True})
+        roles.append({"name": "dashboard", "scopes": DASHBOARD_SCOPES, "services": ["dashboard"]})
+        if dash["instructors"]:
+            roles.append({"name": "course-instructors", "scopes": ["access:services!service=dashboard"],
+                          "users": list(dash["instructors"])})
+    c.JupyterHub.services = services
+    c.JupyterHub.load_roles = roles
 
 
 def refuse_unsafe(cfg: Mapping) -> None:

@@ -27,7 +27,7 @@ ENV_OVERRIDES = "SCALELAB_HUB_OVERRIDES"
 
 #: Settings holding a path that is resolved against the directory of the file setting it ("" and "auto" stay).
 PATH_KEYS = (("hub", "state_dir"), ("hub", "config_d"), ("labs", "source"), ("slurm", "conf"),
-             ("servers", "python_bin"), ("auth", "roster"))
+             ("servers", "python_bin"), ("auth", "roster"), ("dashboard", "grades"))
 
 
 class SettingsError(ScalelabError, ValueError):
@@ -37,6 +37,18 @@ class SettingsError(ScalelabError, ValueError):
 def default_settings_path() -> Path:
     """The course file used when none is given: `hub_config/course.yaml`."""
     return hub_config_dir() / "course.yaml"
+
+
+def student_home(cfg: Mapping, name: str) -> Path | None:
+    """A student's home as the hub makes it: their Unix account's (servers.run_as student-accounts; None before
+    the account exists) or servers.home with {state_dir} and {username} filled in."""
+    if cfg["servers"]["run_as"] == "student-accounts":
+        import pwd
+        try:
+            return Path(pwd.getpwnam(name).pw_dir)
+        except KeyError:
+            return None
+    return Path(cfg["servers"]["home"].replace("{state_dir}", cfg["hub"]["state_dir"]).format(username=name))
 
 
 def read_settings_file(path: str | os.PathLike) -> dict:

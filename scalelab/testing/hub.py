@@ -133,6 +133,7 @@ class HubRunner:
             "auth": {"password": self.password},
             "kernels": {"install": False},
             "culler": {"enabled": False},
+            "dashboard": {"port": free_port()},
             "labs": {"source": str(self.workdir / "labs")},
         }
         self.accounts = [self.user(a) for a in accounts or []]

@@ -1,0 +1,237 @@
+"""The class dashboard: a JupyterHub service page for instructors.
+
+    <hub>/services/dashboard/            every student: server (state, node, job), each lab's self-check progress,
+                                         grades once collected and graded
+    <hub>/services/dashboard/api/class   the same, as JSON
+
+The hub starts it (`python -m scalelab.hub.dashboard`, settings `dashboard:`) and signs people in through OAuth. Only
+hub admins and the names in `dashboard.instructors` hold the scope `access:services!service=dashboard`; a
+student gets 403 from the hub before the page runs any code for them, and the page checks again. The service's own
+token may list users and read their servers, nothing else (`DASHBOARD_SCOPES`).
+
+Progress is what SelfCheck would show the student: the lab's *public* checks run on the records saved in the
+student's copy of the lab (`<home>/<labs.dest>/<lab>/lab.ipynb`) and the evidence of the runs beside it. Homes are
+read as untrusted data (no symbolic link followed anywhere below the home, regular files only, size limits), and
+results are cached by file size and time, so a page load re-reads only what changed.
+"""
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..course.lab import NOTEBOOK, find_labs
+from ..paths import read_beneath
+from .provision import resolve_source
+from .settings import load_settings_from_env, student_home
+
+DASHBOARD_SCOPES = ["list:users", "read:users", "read:servers"]
+SERVICE = "dashboard"
+MAX_NOTEBOOK_BYTES = 64 * 2**20
+_CACHE: dict[tuple, dict] = {}
+
+
+# -- what the page shows (plain functions, tested without a hub) -------------------------------------------------
+
+def lab_progress(home: Path, labs_dest: str, lab_dir: Path) -> dict:
+    """{"state": "not started"|"in progress"|"done"|"unreadable", "passed", "failed", "missing", "total"} for one
+    student's copy of one lab, from its saved records and run evidence (public checks only)."""
+    from ..grade.checks import lab_checks, run_checks
+    from ..grade.evidence import run_evidence, strip_grader_records
+    from ..grade.untrusted import UntrustedFileError, tolerant_records
+    rel = Path(labs_dest) / lab_dir.name
+    try:
+        info = _lstat_beneath(home, rel / NOTEBOOK)
+    except OSError:
+        return {"state": "not started", "passed": 0, "failed": 0, "missing": 0, "total": 0}
+    key = (str(home), str(rel), info.st_size, info.st_mtime_ns)
+    if key in _CACHE:
+        return _CACHE[key]
+    checks = lab_checks(lab_dir, include_hidden=False)
+    try:
+        nb = json.loads(read_beneath(home, rel / NOTEBOOK, MAX_NOTEBOOK_BYTES))
+        records, _ = tolerant_records(nb)
+    except (UntrustedFileError, ValueError, RecursionError, TypeError, AttributeError):
+        return {"state": "unreadable", "passed": 0, "failed": 0, "missing": 0, "total": len(checks)}
+    records, _ = strip_grader_records(records)
+    try:
+        records.update(run_evidence(home / rel))
+    except Exception:  # noqa: BLE001 - a student's event files never break the page
+        pass
+    results = run_checks(checks, records)
+    count = {o: sum(r.outcome == o for r in results) for o in ("pass", "fail", "missing")}
+    count["fail"] += sum(r.outcome in ("partial", "error") for r in results)
+    state = ("done" if count["pass"] == len(results) else
+             "not started" if count["missing"] == len(results) else "in progress")
+    out = {"state": state, "passed": count["pass"], "failed": count["fail"], "missing": count["missing"],
+           "total": len(results)}
+    _CACHE[key] = out
+    return out
+
+
+def _lstat_beneath(home: Path, rel: Path) -> os.stat_result:
+    """lstat of home/rel, refusing a symbolic link on the way (a student's link leads nowhere here)."""
+    path = home
+    for part in rel.parts:
+        path = path / part
+        if path.is_symlink():
+            raise OSError(f"{path} is a symbolic link")
+    return os.stat(path, follow_symlinks=False)
+
+
+def grades_for(grades_root: str, labs: list[str], name: str) -> dict[str, Any]:
+    """{lab: percent} from `<grades_root>/<lab>/results/<file_key(name)>.json`, for the labs graded so far."""
+    if not grades_root:
+        return {}
+    from ..grade.report import file_key
+    found = {}
+    for lab in labs:
+        path = Path(grades_root) / lab / "results" / f"{file_key(name)}.json"
+        try:
+            found[lab] = json.loads(path.read_text(encoding="utf-8")).get("percent")
+        except (OSError, ValueError, AttributeError):
+            continue
+    return found
+
+
+def slurm_jobs(cfg: dict) -> dict[str, dict]:
+    """{user name: {"job", "state", "nodes"}} of the hub's single-user jobs in the queue (slurm mode)."""
+    if cfg["mode"] != "slurm":
+        return {}
+    env = {**os.environ, **({"SLURM_CONF": cfg["slurm"]["conf"]} if cfg["slurm"].get("conf") else {})}
+    try:
+        out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%N|%u"], capture_output=True, text=True, env=env,
+                             timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    jobs = {}
+    for line in out.splitlines():
+        parts = line.split("|")
+        if len(parts) == 5 and parts[1].startswith("jupyter-"):
+            jobs[parts[1][len("jupyter-"):]] = {"job": parts[0], "state": parts[2].lower(), "nodes": parts[3]}
+    return jobs
+
+
+def class_snapshot(cfg: dict, users: list[dict]) -> dict:
+    """Everything the page shows, from the settings and the hub's user models (`GET /hub/api/users`)."""
+    source = resolve_source(cfg["labs"]["source"])
+    labs = find_labs(source) if source else []
+    jobs = slurm_jobs(cfg)
+    rows = []
+    for user in sorted(users, key=lambda u: u.get("name", "")):
+        name = user.get("name", "")
+        server = (user.get("servers") or {}).get("") or {}
+        where = ""
+        if server.get("url"):
+            from urllib.parse import urlparse
+            where = urlparse(server["url"]).hostname or ""
+        state = "ready" if server.get("ready") else (server.get("pending") or "stopped") if server else "stopped"
+        home = student_home(cfg, name)
+        progress = {lab.name: lab_progress(home, cfg["labs"]["dest"], lab) for lab in labs} if home else {}
+        rows.append({"name": name, "admin": bool(user.get("admin")), "server": state, "node": where,
+                     "job": jobs.get(name, {}).get("job", ""), "last_activity": user.get("last_activity"),
+                     "progress": progress, "grades": grades_for(cfg["dashboard"]["grades"], [x.name for x in labs],
+                                                                 name)})
+    return {"course": cfg["course"]["name"], "labs": [lab.name for lab in labs], "students": rows,
+            "generated_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+_STYLE = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5rem;color:#222}table{border-collapse:collapse}
+td,th{border-bottom:1px solid #ddd;padding:.3rem .5rem;text-align:left}.done{color:#176b2c;font-weight:600}
+.in.progress,.in-progress{color:#8a5a00}.not-started{color:#888}.unreadable{color:#a11}.ready{color:#176b2c}"""
+
+
+def render_page(snap: dict) -> str:
+    """The dashboard as one HTML page (every value escaped: names and states come from users)."""
+    e = html.escape
+    head = "".join(f"<th>{e(lab)}</th>" for lab in snap["labs"])
+    rows = []
+    for s in snap["students"]:
+        cells = []
+        for lab in snap["labs"]:
+            p = s["progress"].get(lab, {})
+            grade = s["grades"].get(lab)
+            text = f"{p.get('passed', 0)}/{p.get('total', 0)} checks" if p.get("total") else e(p.get("state", ""))
+            if grade is not None:
+                text += f" · graded {grade:g} %"
+            cls = p.get("state", "").replace(" ", "-")
+            cells.append(f'<td class="{e(cls)}" title="{e(p.get("state", ""))}">{text}</td>')
+        server = e(s["server"]) + (f" on {e(s['node'])}" if s["node"] else "") + (f", job {e(s['job'])}"
+                                                                                  if s["job"] else "")
+        rows.append(f'<tr><td>{e(s["name"])}{" (admin)" if s["admin"] else ""}</td>'
+                    f'<td class="{e(s["server"])}">{server}</td>{"".join(cells)}</tr>')
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>Class dashboard: {e(snap['course'])}</title>"
+            f"<style>{_STYLE}</style></head><body><h1>Class dashboard</h1><p>{e(snap['course'])}: "
+            f"{len(snap['students'])} students, as of {e(snap['generated_at'])}. Progress is the lab's public "
+            "self-checks on each student's saved notebook.</p>"
+            f"<table id='class'><thead><tr><th>student</th><th>server</th>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></body></html>")
+
+
+# -- the service -----------------------------------------------------------------------------------------------
+
+def make_app(cfg: dict):
+    """The tornado application: the page, its JSON, and the OAuth callback, under JUPYTERHUB_SERVICE_PREFIX."""
+    from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
+    from jupyterhub.utils import url_path_join
+    from tornado import web
+    from tornado.httpclient import AsyncHTTPClient
+
+    instructors = set(cfg["dashboard"]["instructors"])
+
+    class Base(HubOAuthenticated, web.RequestHandler):
+        def allowed(self, user: dict) -> bool:
+            return bool(user.get("admin")) or user.get("name") in instructors
+
+        async def snapshot(self) -> dict:
+            api = os.environ["JUPYTERHUB_API_URL"].rstrip("/")
+            token = os.environ["JUPYTERHUB_API_TOKEN"]
+            r = await AsyncHTTPClient().fetch(f"{api}/users", headers={"Authorization": f"token {token}"})
+            return await asyncio.to_thread(class_snapshot, cfg, json.loads(r.body))
+
+        async def prepare(self):
+            user = self.current_user
+            if user is None:
+                return  # @web.authenticated sends them to the hub's sign-in
+            if not self.allowed(user):
+                raise web.HTTPError(403, "the class dashboard is for the course's instructors")
+
+    class Page(Base):
+        @web.authenticated
+        async def get(self):
+            self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'")
+            self.finish(render_page(await self.snapshot()))
+
+    class Api(Base):
+        @web.authenticated
+        async def get(self):
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps(await self.snapshot()))
+
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE}/")
+    return web.Application([
+        (prefix, Page), (url_path_join(prefix, "api/class"), Api),
+        (url_path_join(prefix, "oauth_callback"), HubOAuthCallbackHandler),
+    ], cookie_secret=os.urandom(32), xsrf_cookies=True)
+
+
+def main() -> None:
+    """Run the service where the hub says (JUPYTERHUB_SERVICE_URL); exits at once on SIGTERM/SIGINT."""
+    import signal
+    from urllib.parse import urlparse
+    from tornado.ioloop import IOLoop
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(0))
+    url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
+    app = make_app(load_settings_from_env())
+    app.listen(url.port, url.hostname)
+    IOLoop.current().start()
+
+
+if __name__ == "__main__":
+    main()
