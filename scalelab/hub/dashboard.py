@@ -7,7 +7,7 @@
 The hub starts it (`python -m scalelab.hub.dashboard`, settings `dashboard:`) and signs people in through OAuth. Only
 hub admins and the names in `dashboard.instructors` hold the scope `access:services!service=dashboard`; a
 student gets 403 from the hub before the page runs any code for them, and the page checks again. The service's own
-token may list users and read their servers, nothing else (`DASHBOARD_SCOPES`).
+token may list users and read their servers, nothing else (`hub.config.DASHBOARD_SCOPES`).
 
 Progress is what SelfCheck would show the student: the lab's *public* checks run on the records saved in the
 student's copy of the lab (`<home>/<labs.dest>/<lab>/lab.ipynb`) and the evidence of the runs beside it. Homes are
@@ -30,7 +30,6 @@ from ..paths import read_beneath
 from .provision import resolve_source
 from .settings import load_settings_from_env, student_home
 
-DASHBOARD_SCOPES = ["list:users", "read:users", "read:servers"]
 SERVICE = "dashboard"
 MAX_NOTEBOOK_BYTES = 64 * 2**20
 _CACHE: dict[tuple, dict] = {}
