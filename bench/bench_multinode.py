@@ -59,7 +59,7 @@ def run_once(cluster, nodes, workers, args, out) -> dict:
             by_step.setdefault(e["step"], []).append(e)
     step_s = statistics.median(max(x["step_s"] for x in v) for v in by_step.values())
     comm_s = statistics.median(statistics.mean(x["comm_s"] for x in v) for v in by_step.values())
-    return {"samples_per_s": spec.global_batch / step_s, "step_s": step_s, "comm": comm_s / step_s,
+    return {"samples_per_s": spec.global_batch / step_s, "step_s": step_s, "comm_s": comm_s, "comm": comm_s / step_s,
             "mean_samples_per_s": s["samples_per_s"], "final_loss": s["final_loss"], "hosts": hosts}
 
 
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": args.steps, "batch_per_rank": args.batch,
         "global_batch": 2 * args.batch, "model_width": args.width, "repeats": args.repeats, "rates": rates,
         "results": {n: {"samples_per_s": statistics.median(x["samples_per_s"] for x in v),
-                        "comm": statistics.median(x["comm"] for x in v), "hosts": v[0]["hosts"],
+                        "comm": statistics.median(x["comm"] for x in v),
+                        "comm_s": statistics.median(x["comm_s"] for x in v), "hosts": v[0]["hosts"],
                         "final_loss": v[0]["final_loss"]} for n, v in runs.items()},
         **med,
         "per_repeat": per_repeat,
