@@ -180,3 +180,32 @@ def test_a_second_collect_after_the_deadline_keeps_the_on_time_snapshot(tmp_path
     assert (out / "dee" / "late" / "lab.ipynb").read_text() == '{"changed": 2}'
     with pytest.raises(Exception, match="not an ISO 8601 date"):
         parse_deadline("next friday")
+
+
+def test_labs_update_brings_a_fixed_lab_without_touching_a_students_work(course, week):
+    hub, homes = course["hub"], course["homes"]
+    source = hub.workdir / "labs" / "90_fixture"
+    fixed = (source / "lab.ipynb").read_text().replace("A mean and a tiny fit", "A mean and a tiny fit (fixed)")
+    (source / "lab.ipynb").write_text(fixed)
+    (source / "README.md").write_text("Notes, corrected.\n")
+    code, text = _cli("labs", "update", "--config", str(hub.config_path))
+    assert code == 0 and hub.user("ann") in text
+    ann = homes["ann"] / "labs" / "90_fixture"
+    assert "Exercise 1" in (ann / "lab.ipynb").read_text() and "(fixed)" not in (ann / "lab.ipynb").read_text()
+    beside = [p for p in ann.iterdir() if p.name.startswith("lab (course update")]
+    assert len(beside) == 1 and "(fixed)" in beside[0].read_text()  # the new version, beside her own
+    assert (ann / "README.md").read_text() == "Notes, corrected.\n"  # unedited: simply updated
+    assert beside[0].stat().st_uid == pwd.getpwnam(hub.user("ann")).pw_uid  # written as her
+
+
+def test_labs_run_executes_a_parameter_profile_and_names_a_missing_one(tmp_path):
+    code, text = _cli("labs", "run", str(FIX / "labs" / "90_fixture"), "--profile", "demo", "--out",
+                      str(tmp_path / "demo"))
+    assert code == 0 and ": ok in" in text
+    from scalelab.record import read_records
+    records = read_records(tmp_path / "demo" / "lab.ipynb")
+    assert records["n"] == 200  # the demo profile's, not the grader's 500 or the notebook's 1000
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["labs", "run", str(FIX / "labs" / "90_fixture"), "--profile", "gpu-node"]) == 1
+    assert "no parameter profile 'gpu-node'" in err.getvalue() and "'demo'" in err.getvalue()

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from ..course.lab import GradingError
-from ..paths import labs_dir
 
 
 def add_cli(subparsers) -> None:
@@ -53,12 +52,8 @@ def add_cli(subparsers) -> None:
 
 
 def _lab(arg: str) -> Path:
-    path = Path(arg)
-    if not path.is_dir() and (labs_dir() / arg).is_dir():
-        path = labs_dir() / arg
-    if not (path / "lab.ipynb").is_file():
-        raise GradingError(f"{arg}: not a lab folder (no lab.ipynb there or under {labs_dir()})")
-    return path
+    from ..course.release import resolve_lab
+    return resolve_lab(arg)
 
 
 def student_homes(args) -> tuple[dict[str, Path], str]:

@@ -48,7 +48,73 @@ def add_cli(subparsers) -> None:
     r.add_argument("--out", help=f"where the student copies go (default: {student_labs_dir()}, where "
                                  "`scalelab hub` hands them out from)")
     r.set_defaults(func=release_command)
+    run = actions.add_parser("run", help="execute a lab's reference notebook with a parameter profile (demos, "
+                                         "checking a lab on a GPU node)")
+    run.add_argument("lab", help="lab folder (or a lab's name under labs/)")
+    run.add_argument("--profile", default="ci", help="ci (the grader's), laptop (the notebook's defaults), or one of "
+                                                     "lab.yaml's profiles: e.g. demo, gpu-node (default %(default)s)")
+    run.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a parameter over the profile's")
+    run.add_argument("--out", help="folder for the run (default build/runs/<lab>-<profile>)")
+    run.add_argument("--timeout", type=float, default=None, metavar="S",
+                     help="whole-notebook limit (default: none for demos, lab.yaml's for ci)")
+    run.set_defaults(func=labs_run_command)
+    up = actions.add_parser("update", help="bring the current labs into every student's home now; a student's "
+                                           "edited file is kept and the new version put beside it")
+    up.add_argument("--config", help="the hub's course settings (default hub_config/course.yaml)")
+    up.add_argument("--users", help="students, comma-separated (default: the hub's class list)")
+    up.add_argument("--homes", metavar="TEMPLATE", help="each student's home, with {username}")
+    up.set_defaults(func=labs_update_command)
     labs.set_defaults(func=lambda args: (labs.print_help(), 2)[1])
+
+
+def labs_run_command(args) -> int:
+    """`scalelab labs run`: 0 when the notebook ran to the end."""
+    import shutil
+    from pathlib import Path
+    from ..course.execute import execute_notebook
+    from ..course.lab import NOTEBOOK, load_lab, student_files
+    from ..course.release import resolve_lab
+    lab = load_lab(resolve_lab(args.lab))
+    params = {**lab.profile(args.profile), **_parameters(args.set)}
+    work = Path(args.out or Path("build") / "runs" / f"{lab.name}-{args.profile}").resolve()
+    for rel in student_files(lab.path):
+        if rel != Path(NOTEBOOK):
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lab.path / rel, work / rel)
+    total = args.timeout if args.timeout is not None else (lab.grading.total_timeout_s if args.profile == "ci"
+                                                           else None)
+    print(f"running {lab.name} with profile {args.profile} {params or '(the notebook defaults)'} in {work}",
+          file=sys.stderr, flush=True)
+    result = execute_notebook(lab.notebook, params, output_path=work / NOTEBOOK, cwd=work,
+                              cell_timeout=None if total is None else lab.grading.cell_timeout_s,
+                              total_timeout=total)
+    print(f"{lab.name}: {result.status} in {result.duration_s:.0f} s; executed notebook: {result.output_path}")
+    if result.error is not None:
+        print(str(result.error), file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def labs_update_command(args) -> int:
+    """`scalelab labs update`: hand the labs out to every home now (as each home's owner), never overwriting."""
+    from ..cli.course import student_homes
+    from ..hub.provision import resolve_source
+    from ..hub.settings import load_settings
+    homes, dest = student_homes(args)
+    cfg = load_settings(args.config)
+    source = resolve_source(cfg["labs"]["source"])
+    if source is None:
+        raise GradingError(f"labs.source {cfg['labs']['source']!r}: no labs there; run `scalelab labs release`")
+    from ..course.collect import OwnerError, run_as_owner
+    argv = [sys.executable, "-m", "scalelab.hub.provision", str(source), ".", "--dest", dest,
+            *[f"--exclude={x}" for x in cfg["labs"]["exclude"]]]
+    for student, home in sorted(homes.items()):
+        try:
+            r = run_as_owner(home, argv)
+            said = (r.stderr.decode(errors="replace").strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        except OwnerError as e:
+            said = f"not updated: {e}"
+        print(f"{student:<20} {said.removeprefix('scalelab provision: ')}")
+    return 0
 
 
 def _parameters(pairs: list[str]) -> dict:

@@ -173,6 +173,29 @@ os.replace(tmp, rel)
 """
 
 
+class OwnerError(GradingError):
+    """A home that cannot be written as its owner (missing, not a folder, or root's)."""
+
+
+def run_as_owner(home: Path, argv: list[str], stdin: bytes = b"", timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `argv` in `home` as the home's owner (uid and gid, no other groups) when we are root, else as
+    ourselves: whatever it writes can only go where that owner may write, links planted in the home included."""
+    try:
+        info = os.stat(home, follow_symlinks=False)
+    except OSError as e:
+        raise OwnerError(f"{home}: {e.strerror}") from None
+    if not os.path.isdir(home) or os.path.islink(home):
+        raise OwnerError(f"{home} is not a folder")
+    owner = {}
+    if os.geteuid() == 0:
+        if info.st_uid == 0:
+            raise OwnerError(f"{home} belongs to root: nothing is written into it as root")
+        owner = {"user": info.st_uid, "group": info.st_gid, "extra_groups": []}
+    return subprocess.run(argv, input=stdin, cwd=home, capture_output=True, timeout=timeout,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
+                               "HOME": str(home)}, **owner)
+
+
 @dataclass
 class Returned:
     """Where one student's feedback went, or why it did not."""
@@ -193,20 +216,10 @@ def return_feedback(lab: str, homes: dict[str, Path], feedback: dict[str, Path],
             continue
         rel = Path(labs_dest) / lab / FEEDBACK
         try:
-            info = os.stat(home, follow_symlinks=False)
-        except OSError as e:
-            done.append(Returned(student, None, f"{home}: {e.strerror}"))
+            r = run_as_owner(home, [sys.executable, "-c", _WRITER, str(rel)], Path(page).read_bytes())
+        except OwnerError as e:
+            done.append(Returned(student, None, str(e)))
             continue
-        if not os.path.isdir(home) or os.path.islink(home):
-            done.append(Returned(student, None, f"{home} is not a folder"))
-            continue
-        as_owner = {} if os.geteuid() != 0 else {"user": info.st_uid, "group": info.st_gid, "extra_groups": []}
-        if os.geteuid() == 0 and info.st_uid == 0:
-            done.append(Returned(student, None, f"{home} belongs to root: feedback is never written as root"))
-            continue
-        r = subprocess.run([sys.executable, "-c", _WRITER, str(rel)], input=Path(page).read_bytes(), cwd=home,
-                           capture_output=True, timeout=60, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                           **as_owner)
         if r.returncode:
             err = r.stderr.decode(errors="replace").strip().splitlines()
             done.append(Returned(student, None, f"not written: {err[-1] if err else f'exit {r.returncode}'}"))
@@ -215,4 +228,5 @@ def return_feedback(lab: str, homes: dict[str, Path], feedback: dict[str, Path],
     return done
 
 
-__all__ = ["Collected", "Returned", "collect", "return_feedback", "parse_deadline", "MANIFEST", "FEEDBACK"]
+__all__ = ["Collected", "Returned", "OwnerError", "collect", "return_feedback", "run_as_owner", "parse_deadline",
+           "MANIFEST", "FEEDBACK"]

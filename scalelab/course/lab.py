@@ -51,6 +51,20 @@ class Lab:
     minutes: int | None = None
     goals: list[str] = field(default_factory=list)
     grading: GradingSettings = field(default_factory=GradingSettings)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Named parameter sets from lab.yaml's `profiles:` (e.g. laptop, gpu-node, demo); see `profile()`."""
+
+    def profile(self, name: str) -> dict[str, Any]:
+        """The parameters of profile `name`: 'ci' is grading.parameters (what the grader, the site and CI use),
+        'laptop' the notebook's own defaults unless lab.yaml says otherwise, the rest from lab.yaml."""
+        if name == "ci":
+            return dict(self.grading.parameters)
+        if name in self.profiles:
+            return dict(self.profiles[name])
+        if name == "laptop":
+            return {}
+        raise GradingError(f"{self.name}: no parameter profile {name!r}; this lab has "
+                           f"{sorted({'ci', 'laptop', *self.profiles})} (profiles: in {self.path / SETTINGS})")
 
     @property
     def notebook(self) -> Path:
@@ -81,8 +95,15 @@ def load_lab(lab_dir: str | Path) -> Lab:
     settings = GradingSettings(**grading)
     _validate(settings, path / SETTINGS)
     goals = data.get("goals") or []
+    profiles = data.get("profiles") or {}
+    if not isinstance(profiles, dict) or not all(isinstance(k, str) and isinstance(v, dict)
+                                                 for k, v in profiles.items()):
+        raise GradingError(f"{path / SETTINGS}: 'profiles' must map names to parameter mappings, e.g. "
+                           "profiles: {demo: {steps: 200}}")
+    if "ci" in profiles:
+        raise GradingError(f"{path / SETTINGS}: profile 'ci' is grading.parameters; set those there")
     return Lab(path, path.name, str(data.get("title") or path.name), data.get("minutes"),
-               list(goals) if isinstance(goals, list) else [str(goals)], settings)
+               list(goals) if isinstance(goals, list) else [str(goals)], settings, profiles)
 
 
 def _read_yaml(path: Path) -> dict:
