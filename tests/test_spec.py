@@ -76,7 +76,7 @@ _OUT_OF_RANGE = {
     "slurm.partition": "gpu\n#SBATCH --exclusive", "slurm.account": "a b", "slurm.reservation": "r;rm -rf /",
     "slurm.time": "forever", "slurm.gpus_per_node": -1, "slurm.cpus_per_task": 0, "slurm.mem": "lots",
     "fault.kind": "meteor", "fault.rank": -1, "fault.step": -1, "steps": 0, "epochs": -1, "seed": -5,
-    "log_every": 0,
+    "log_every": 0, "fsdp.sharding": "zero9",
 }
 
 
@@ -91,7 +91,7 @@ def test_a_value_out_of_range_names_the_field_and_the_value(key):
 
 
 def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
-    free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress"}
+    free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress", "fsdp.reshard_after_forward"}
     assert set(RULES) - free_text == set(_OUT_OF_RANGE)
 
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from ..errors import SpecError
 from .validate import (validate_spec, MODELS, DATA_SOURCES, STRATEGIES, BACKENDS, LAUNCHERS, OPTIMIZERS,
-                       LR_SCALING, PRECISIONS, CHECKPOINT_MODES, DATA_FORMATS, DEVICES, FAULT_KINDS, MALLOC_POLICIES, WAITS)  # noqa: F401 - re-exported
+                       LR_SCALING, PRECISIONS, CHECKPOINT_MODES, DATA_FORMATS, DEVICES, FAULT_KINDS, MALLOC_POLICIES, WAITS,
+                       SHARDINGS)  # noqa: F401 - re-exported
 
 
 
@@ -142,6 +143,18 @@ class FaultSpec:
 
 
 @dataclass
+class FSDPSpec:
+    """How strategy fsdp shards the model's state over the ranks (FSDP2 `fully_shard`; ZeRO stages)."""
+
+    sharding: str = "full"
+    """full (ZeRO-3: parameters, gradients and optimizer state split over the ranks), grad_op (ZeRO-2 in time:
+    parameters stay gathered from forward to backward) or none (replicated: DDP's memory through FSDP)."""
+    reshard_after_forward: bool = True
+    """sharding=full: free each layer's gathered parameters after its forward and gather them again for backward
+    (less memory, one more all-gather per layer); false keeps them until backward."""
+
+
+@dataclass
 class SlurmSpec:
     """Batch options used by the slurm launcher (students' values are bounded by the hub, not here)."""
 
@@ -172,7 +185,7 @@ class RunSpec:
     data: DataSpec = field(default_factory=DataSpec)
     """The data and its loader."""
     strategy: str = "ddp"
-    """ddp (torch DistributedDataParallel) or horovod."""
+    """ddp (torch DistributedDataParallel), horovod, or fsdp (FSDP2: state sharded over the ranks, see fsdp)."""
     backend: str = "auto"
     """auto (nccl with CUDA, gloo without), gloo, nccl, or mpi (Horovod's MPI controller)."""
     device: str = "auto"
@@ -191,6 +204,8 @@ class RunSpec:
     """Batch options for the slurm launcher."""
     fault: FaultSpec = field(default_factory=FaultSpec)
     """An injected fault (off by default)."""
+    fsdp: FSDPSpec = field(default_factory=FSDPSpec)
+    """Sharding of strategy fsdp (ignored by the others)."""
     steps: int = 20
     """Optimizer steps to run (ignored when epochs > 0)."""
     epochs: int = 0
@@ -258,7 +273,7 @@ class RunSpec:
 
 # -- dict / file round trip -----------------------------------------------------------------------
 _NESTED = {"model": ModelSpec, "data": DataSpec, "world": WorldSpec, "optim": OptimSpec,
-           "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec}
+           "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec, "fsdp": FSDPSpec}
 
 
 def _build(cls, data: Any, prefix: str):

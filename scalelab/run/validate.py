@@ -11,7 +11,8 @@ from ..errors import SpecError
 # The allowed values of every choice field: owned here, re-exported by scalelab.run.spec.
 MODELS = ("cnn", "mlp", "transformer")
 DATA_SOURCES = ("heat", "digits", "path")
-STRATEGIES = ("ddp", "horovod")
+STRATEGIES = ("ddp", "horovod", "fsdp")
+SHARDINGS = ("full", "grad_op", "none")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
@@ -128,6 +129,8 @@ RULES = {
     "fault.kind": (str, _choice(FAULT_KINDS)),
     "fault.rank": (int, _int_at_least(0)),
     "fault.step": (int, _int_at_least(0)),
+    "fsdp.sharding": (str, _choice(SHARDINGS)),
+    "fsdp.reshard_after_forward": (bool, None),
     "steps": (int, _int_at_least(1, 10_000_000)),
     "epochs": (int, _int_at_least(0, 100_000)),
     "seed": (int, _int_at_least(0, 2**31 - 1)),
@@ -234,8 +237,22 @@ def _cross_checks(spec) -> None:
     if spec.data.format == "memory" and (spec.data.open_latency_ms or spec.data.read_mb_per_s):
         raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
                                        "system: set data.format to files, shards or hdf5")
-    if spec.checkpoint.mode == "sharded" and spec.strategy != "ddp":
+    _fsdp_checks(spec)
+    if spec.checkpoint.mode == "sharded" and spec.strategy not in ("ddp", "fsdp"):
         raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")
+
+
+def _fsdp_checks(spec) -> None:
+    """Strategy fsdp: torch.distributed ranks, and checkpoints that every rank writes its own shard of."""
+    if spec.strategy != "fsdp":
+        return
+    if spec.launcher in ("horovodrun",):
+        raise SpecError("launcher", "got 'horovodrun' with strategy 'fsdp'; FSDP runs on torch.distributed ranks: "
+                                    "use local, torchrun, mpirun or slurm")
+    if spec.checkpoint.every_steps and spec.checkpoint.mode != "sharded":
+        raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy 'fsdp'; each rank holds "
+                                           "only its shard of the state, so every rank must write: use "
+                                           "checkpoint.mode=sharded")

@@ -22,6 +22,7 @@ from ..data.loader import build_eval_set
 from ..data.stored import training_dataset
 from ..dist import threads_per_rank
 from .hostmem import apply_malloc_policy
+from .memory import CommCounter, rss_peak_bytes, state_bytes
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
 from .strategies import build_strategy, pick_device
@@ -46,13 +47,17 @@ def train(spec, info, events) -> dict:
     optimizer = build_optimizer(spec.optim, model.parameters(), peak_lr)
     scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
 
+    raw_model = model
+    sharded_state = spec.strategy == "fsdp"  # wrap shards the state: restore into the shards, after it
+    if sharded_state:
+        model, optimizer = strategy.wrap(model, optimizer)
     checkpointer = build_checkpointer(spec.checkpoint, run_dir / "checkpoints", info.rank, info.world_size)
     start_step, resumed_from = 0, None
     if spec.checkpoint.resume and (found := checkpointer.latest()):
         start_step = checkpointer.restore(model, optimizer, found)
         resumed_from = str(found)
-    raw_model = model
-    model, optimizer = strategy.wrap(model, optimizer)
+    if not sharded_state:
+        model, optimizer = strategy.wrap(model, optimizer)
 
     accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
     train_set = training_dataset(dataset, spec.data, run_dir / "data", spec.seed)  # on disk unless format=memory
@@ -78,6 +83,9 @@ def train(spec, info, events) -> dict:
             group["lr"] = lr
         t0 = time.perf_counter()
         data_s, loss_sum = 0.0, torch.zeros((), device=device)
+        # the first step's collectives are counted (every step issues the same ones); later steps run unobserved
+        counter = CommCounter() if step == start_step else contextlib.nullcontext()
+        counter.__enter__()
         for micro in range(accum):
             t_data = time.perf_counter()
             x, y = next(batches)
@@ -89,6 +97,10 @@ def train(spec, info, events) -> dict:
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
         strategy.step(optimizer, scaler)
+        counter.__exit__(None, None, None)
+        if step == start_step:  # what this rank holds once every state exists: gradients are freed next
+            events.emit("memory", step=step + 1, **state_bytes(raw_model, optimizer), rss_peak_bytes=rss_peak_bytes(),
+                        comm=counter.summary())
         optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
         loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
         step_s = time.perf_counter() - t0
@@ -106,11 +118,12 @@ def train(spec, info, events) -> dict:
     _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
     final_loss = strategy.mean(loss_value)
     accuracy = _evaluate(raw_model, spec, info, device, autocast, strategy)
+    full_state = strategy.full_state_dict(raw_model)  # FSDP gathers the shards: every rank takes part
     if info.is_main:
-        torch.save(raw_model.state_dict(), run_dir / "model.pt")
+        torch.save(full_state, run_dir / "model.pt")
     strategy.barrier()
     end = dict(steps=total_steps, final_loss=final_loss, eval_accuracy=accuracy,
-               elapsed_s=time.perf_counter() - started)
+               elapsed_s=time.perf_counter() - started, rss_peak_bytes=rss_peak_bytes())
     events.emit("end", **end)
     strategy.shutdown()
     return end

@@ -1,4 +1,4 @@
-"""Data-parallel strategies: torch DDP and Horovod behind one small interface.
+"""Data-parallel strategies: torch DDP, Horovod and FSDP (sharded state) behind one small interface.
 
 Both average gradients over ranks every step, so with the same seed they follow the same trajectory;
 what differs is who moves the bytes (DDP's reducer with gloo/NCCL, Horovod's background thread with
@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..dist import set_socket_interface, threads_per_rank
 
@@ -96,6 +97,10 @@ class DDPStrategy:
         model = DDP(model, device_ids=ids)
         model.register_comm_hook(self, _timed_allreduce_hook)
         return model, optimizer
+
+    def full_state_dict(self, model) -> dict:
+        """The whole model's parameters (every rank holds them all)."""
+        return model.state_dict()
 
     def no_sync(self, model):
         """Skip the allreduce for an accumulation micro-batch."""
@@ -187,6 +192,10 @@ class HorovodStrategy:
             self.wait = resolve_wait(self.spec, self.info, host_collectives=self.device.type == "cpu")
         return model, optimizer
 
+    def full_state_dict(self, model) -> dict:
+        """The whole model's parameters (every rank holds them all)."""
+        return model.state_dict()
+
     def no_sync(self, model):
         """Horovod counts backward passes itself (backward_passes_per_step)."""
         return contextlib.nullcontext()
@@ -233,6 +242,76 @@ class HorovodStrategy:
         self.hvd.shutdown()
 
 
+# Fully sharded data parallelism with FSDP2 (`torch.distributed.fsdp.fully_shard`): ZeRO on one mesh axis.
+#
+# Every rank still sees its own slice of each batch, as with DDP; what changes is who holds the model's state.
+#
+#     sharding=full     ZeRO-3: parameters, gradients and optimizer state are split 1/W per rank; each layer's
+#                       parameters are all-gathered just before its forward and backward, its gradients
+#                       reduce-scattered after backward. reshard_after_forward=false keeps the gathered
+#                       parameters from forward to backward (one all-gather less per layer, more memory).
+#     sharding=grad_op  ZeRO-2 in time: like full, but never resharded between forward and backward.
+#     sharding=none     replicated (HSDP with shards of one rank): every rank holds everything and gradients
+#                       are all-reduced, i.e. DDP's memory and traffic through FSDP's code path.
+#
+# Each `nn.Linear`, conv and transformer layer is its own FSDP unit (so only one unit's parameters are gathered at
+# a time), then the root. With the same seed, global batch and optimizer the loss follows DDP's to float
+# precision: both average the same gradients over ranks.
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that become their own FSDP unit: layers that own parameters, innermost first."""
+    kinds = (nn.Linear, nn.Conv2d, nn.TransformerEncoderLayer)
+    return [m for m in model.modules() if isinstance(m, kinds) and m is not model]
+
+
+class FSDPStrategy(DDPStrategy):
+    """FSDP2 over a 1-D mesh of all ranks (or a (W, 1) mesh for sharding=none); the process group is DDP's."""
+
+    name = "fsdp"
+
+    def wrap(self, model, optimizer):
+        """Shard the model in place; the optimizer then steps the sharded parameters (DTensors)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        if self.info.world_size == 1 and not torch.distributed.is_initialized():
+            return model, optimizer  # one rank: nothing to shard, and no process group to build a mesh on
+        device = self.device.type
+        sharding, w = self.spec.fsdp.sharding, self.info.world_size
+        if sharding == "none":
+            mesh = init_device_mesh(device, (w, 1), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device, (w,))
+        reshard = self.spec.fsdp.reshard_after_forward and sharding == "full"
+        names = {id(p): n for n, p in model.named_parameters()}
+        for unit in _units(model):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        # fully_shard swapped every parameter for a DTensor: point the (still stateless) optimizer at the new ones
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return model, optimizer
+
+    def no_sync(self, model):
+        """Accumulation micro-batches keep their gradients unreduced until the last one."""
+        @contextlib.contextmanager
+        def unsynced():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return unsynced() if hasattr(model, "set_requires_gradient_sync") else contextlib.nullcontext()
+
+    def full_state_dict(self, model) -> dict:
+        """The whole model's parameters as plain CPU tensors (collective: every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        if not hasattr(model, "set_requires_gradient_sync"):
+            return model.state_dict()
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def build_strategy(spec, info, device):
     """The strategy the spec names."""
-    return {"ddp": DDPStrategy, "horovod": HorovodStrategy}[spec.strategy](spec, info, device)
+    return {"ddp": DDPStrategy, "horovod": HorovodStrategy, "fsdp": FSDPStrategy}[spec.strategy](spec, info, device)
