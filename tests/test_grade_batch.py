@@ -82,7 +82,7 @@ def batch(tmp_path_factory, slurm_cluster):
             "by_prefix": {"long_": next(n for n in by if n.startswith("long_"))}}
 
 
-ATTACKS = ("pid_hopper", "litters", "proc_snoop", "kills_runner", "writes_outcome", "munge", "flood_output",
+ATTACKS = ("error_then_more", "pid_hopper", "litters", "proc_snoop", "kills_runner", "writes_outcome", "munge", "flood_output",
            "injected_parameters", "foreign_kernel", "reassigns_parameters")
 
 
@@ -129,6 +129,13 @@ def test_missing_record_is_its_own_outcome_naming_the_record(batch):
     r = batch["by"]["missing_record"]
     w = _checks(r)["w_is_the_mean"]
     assert r["score"] == 7 and w["outcome"] == "missing" and "'w'" in w["message"]
+
+
+def test_an_error_in_one_exercise_does_not_cost_the_exercises_after_it(batch):
+    r = batch["by"]["error_then_more"]
+    assert r["status"] == "cell_error" and r["execution"]["cell_index"] == 3, r
+    assert r["message"] == "cell 3 (tagged exercise-1) raised ValueError: a slip after the answer"
+    assert r["score"] == 8  # exercise 2 ran after the error, and its checks count
 
 
 def test_infinite_loop_is_a_cell_timeout_naming_the_cell(batch):
@@ -220,7 +227,7 @@ def test_reports_gradebook_and_feedback(batch):
     rows = (out / "gradebook.csv").read_text().splitlines()
     assert rows[0].startswith("student,percent,score,max_score,status,message,mean_is_right,loss_is_small,"
                               "loss_matches_the_run (hidden),w_is_the_mean (hidden)")
-    assert len(rows) == 1 + 26 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
+    assert len(rows) == 1 + 27 and any(row.startswith("correct,100.0,8.0,8.0,ok,") for row in rows)
     page = (out / "feedback" / "wrong_answer.html").read_text()
     assert "6 / 8 (75 %)" in page and "w did not converge" in page and "(hidden check)" in page
     assert json.loads((out / "results" / "forged_record.json").read_text())["score"] == 5

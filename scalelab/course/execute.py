@@ -18,6 +18,10 @@ notebook's folder, as in JupyterLab. `cell_timeout` is rounded up to whole secon
 `total_timeout` counts from the call, kernel start-up included; None means no limit. `env` is merged over
 os.environ for the kernel. Records are read back even when the run failed, up to the last cell saved.
 
+Errors: with `continue_on_error` every cell runs even after one raised (as a grader wants: an unsolved exercise
+must not cost the points of the independent parts after it); the status is still `cell_error`, located at the
+*first* cell that raised. A timeout or a dead kernel still ends the run.
+
 Output: `output_limit` (characters per cell; None: no limit) cuts what a cell prints *while it runs*: the rest of
 its stream output is dropped with a note, and any other output bigger than the limit is replaced by a note
 (recorded values are never cut). Papermill saves the notebook as it goes, so a cell printing gigabytes would
@@ -148,7 +152,7 @@ class NotebookResult:
 def execute_notebook(path, parameters: dict | None = None, *, output_path=None, cwd=None,
                      cell_timeout: float | None = 120, total_timeout: float | None = 600,
                      kernel_name: str | None = None, env: dict | None = None,
-                     output_limit: int | None = None) -> NotebookResult:
+                     output_limit: int | None = None, continue_on_error: bool = False) -> NotebookResult:
     """Run `path` with papermill in a killable child; see the module docstring for the contract."""
     start = time.monotonic()
     path = Path(path).resolve()
@@ -167,7 +171,7 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
     job = {"input": str(path), "output": str(out), "parameters": parameters,
            "cwd": str(Path(cwd).resolve() if cwd else path.parent), "kernel_name": kernel_name,
            "cell_timeout": None if cell_timeout is None else max(1, math.ceil(cell_timeout)),
-           "output_limit": output_limit}
+           "output_limit": output_limit, "continue_on_error": continue_on_error}
     outcome, timed_out = _run_child(job, env, None if total_timeout is None else start + total_timeout)
     if outcome.get("status") == "internal" and not timed_out:
         raise NotebookError(f"could not execute {path}: {outcome['message']}", str(path), str(out))
@@ -176,6 +180,8 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
     status = "timeout" if timed_out and outcome["status"] != "ok" else outcome["status"]
     nb = _read_json(out)
     records, cell = ({}, {}) if nb is None else (read_records(nb), _running_cell(nb))
+    if status == "cell_error" and nb is not None:
+        cell = _first_error_cell(nb) or cell  # with continue_on_error the run went on past it
     error = _make_error(status, path, out, cell, cell_timeout, total_timeout, outcome.get("message", ""))
     if error is not None and nb is not None and status != "cell_error":  # papermill marks cell errors itself
         _annotate(nb, out, error)
@@ -304,6 +310,19 @@ def _running_cell(nb: dict) -> dict:
     return found
 
 
+def _first_error_cell(nb: dict) -> dict:
+    """The first code cell with an error output, with its index in the source notebook ({} when none)."""
+    source_index = -1
+    for cell in nb.get("cells", []):
+        tags = cell.get("metadata", {}).get("tags", [])
+        if MARKER_TAG in tags or INJECTED_TAG in tags:
+            continue
+        source_index += 1
+        if any(o.get("output_type") == "error" for o in cell.get("outputs", []) if isinstance(o, dict)):
+            return {"cell": cell, "cell_index": source_index}
+    return {}
+
+
 def _make_error(status, path, out, found, cell_timeout, total_timeout, message) -> NotebookError | None:
     """The typed error for `status`, located at the cell papermill was running."""
     if status == "ok":
@@ -371,6 +390,8 @@ def _papermill(job: dict, kernel_name: str) -> dict:
     engine = {}
     if job.get("output_limit"):
         engine = {"engine_name": _register_capped_engine(), "output_limit": int(job["output_limit"])}
+    if job.get("continue_on_error"):
+        engine["allow_errors"] = True  # nbclient runs every cell; papermill still reports the first error
     try:
         papermill.execute_notebook(job["input"], job["output"], parameters=job["parameters"], cwd=job["cwd"],
                                    kernel_name=kernel_name, execution_timeout=job["cell_timeout"],

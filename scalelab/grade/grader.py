@@ -66,6 +66,8 @@ class GradeOptions:
     keep_workdirs: bool = False
     max_notebook_mb: int = 64
     """Largest executed notebook the grader reads back (its records are lost beyond that)."""
+    continue_on_error: bool = True
+    """Run every cell even after one raised: an unsolved exercise does not cost the points of what follows it."""
 
 
 @dataclass
@@ -254,7 +256,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
             outcome = run_job(job, plan, parameters,
                               opts.cell_timeout_s or settings.cell_timeout_s,
                               opts.total_timeout_s or settings.total_timeout_s,
-                              ctx.out / "instructor" / "logs" / f"{key}.log")
+                              ctx.out / "instructor" / "logs" / f"{key}.log",
+                              continue_on_error=opts.continue_on_error)
     finally:
         cleanup(plan)
     _collect(ctx, job, sub, outcome, result, shipped, started)
@@ -300,7 +303,9 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     result.checks = run_checks(ctx.checks, records)
     for c in result.checks:
         c.message = cap_text(c.message, 2000)
-        if c.outcome == "missing" and result.status != "ok":
+        if c.outcome == "missing" and result.status == "cell_error":
+            c.message += f" (a cell raised an error: {result.message[:200]})"
+        elif c.outcome == "missing" and result.status != "ok":
             c.message += f" (the run stopped early: {result.status.replace('_', ' ')})"
     _score(result)
     if nb is not None:

@@ -181,13 +181,13 @@ def runs_need(base: Path) -> list[str]:
 
 
 def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float, total: float,
-            log_path: Path, output_limit: int | None = OUTPUT_LIMIT) -> dict:
+            log_path: Path, output_limit: int | None = OUTPUT_LIMIT, continue_on_error: bool = True) -> dict:
     """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted)."""
     outcome_path = outcome_file(job)
     spec = {"notebook": str(job / "work" / NOTEBOOK), "output": str(job / "out" / NOTEBOOK), "cwd": str(job / "work"),
             "parameters": parameters, "cell_timeout": cell_timeout,
             "total_timeout": total, "sandbox": plan.to_dict(), "outcome": str(outcome_path),
-            "output_limit": output_limit}
+            "output_limit": output_limit, "continue_on_error": continue_on_error}
     job_file = job / "job.json"
     job_file.write_text(json.dumps(spec))
     if plan.uid is not None:

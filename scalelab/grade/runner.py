@@ -110,7 +110,8 @@ def _execute(job: dict) -> dict:
                      f"parameters {sorted(parameters)} could not be set, so your own values were used")
         parameters = {}
     kw = dict(output_path=job["output"], cwd=job["cwd"], cell_timeout=job["cell_timeout"],
-              total_timeout=job["total_timeout"], output_limit=job.get("output_limit"))
+              total_timeout=job["total_timeout"], output_limit=job.get("output_limit"),
+              continue_on_error=job.get("continue_on_error", True))
     try:
         try:
             result = execute_notebook(job["notebook"], parameters, **kw)
