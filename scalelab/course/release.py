@@ -10,6 +10,9 @@ indentation of the BEGIN line:
     # YOUR CODE HERE
     raise NotImplementedError("exercise")
 
+and the cell is tagged `raises-exception`, so Run All (JupyterLab's, and papermill's) goes on past an unsolved
+exercise to the rest of the lab. Student copies open on the course kernel (`COURSE_KERNELSPEC`).
+
 A marker without its partner, or a nested BEGIN, is a ReleaseError naming the lab, the cell and the line: a
 half-stripped solution must never reach students. lab.yaml and checks.py are kept (SelfCheck needs them);
 everything `lab.PRIVATE` names (hidden_checks.py, solutions/, dot files, caches) is left out, and so is the
@@ -29,6 +32,11 @@ from .solutions import replace_solutions
 from .lab import NOTEBOOK, GradingError, find_labs, student_files
 
 PLACEHOLDER = ("# YOUR CODE HERE", 'raise NotImplementedError("exercise")')
+#: The course kernel (kernels/scalelab, installed by the hub and `scalelab kernels install`): student copies open on it.
+COURSE_KERNELSPEC = {"name": "scalelab", "display_name": "Python 3 (scalelab course)", "language": "python"}
+#: JupyterLab's Run All and nbclient go on past a cell with this tag when it raises: an unsolved exercise does not
+#: stop the rest of the lab.
+GOES_ON_TAG = "raises-exception"
 # Notebook metadata that only says how the reference was last executed.
 _RUN_METADATA = ("papermill", "execution", "scalelab")
 
@@ -71,9 +79,12 @@ def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
         source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
         new, blocks = strip_solutions(source, f"{where}: cell {index} (id {cell.get('id')!r})")
         cell["source"], cell["outputs"], cell["execution_count"] = new, [], None
+        if blocks and GOES_ON_TAG not in meta.setdefault("tags", []):
+            meta["tags"].append(GOES_ON_TAG)
         total += blocks
     for key in _RUN_METADATA:
         nb.get("metadata", {}).pop(key, None)
+    nb.setdefault("metadata", {})["kernelspec"] = dict(COURSE_KERNELSPEC)
     return nb, total
 
 
