@@ -123,3 +123,15 @@ def test_self_check_in_a_real_kernel_uses_the_kernels_records(tmp_path):
     (tmp_path / "nb.ipynb").write_text(json.dumps(nb))
     result = execute_notebook(tmp_path / "nb.ipynb", output_path=tmp_path / "out.ipynb").raise_for_status()
     assert result.records["self_score"] == 2 and result.records["outcomes"] == ["pass", "fail"]
+
+
+def test_the_report_colours_each_outcome_and_totals_them():
+    from pathlib import Path as _P
+    from scalelab.grade.checks import CheckResult
+    from scalelab.grade.selfcheck import SelfCheckReport
+    report = SelfCheckReport(_P("/x/02_lab"), [CheckResult("a", "pass", 1, 1), CheckResult("b", "fail", 0, 2),
+                                               CheckResult("c", "missing", 0, 1), CheckResult("d", "pass", 1, 1)])
+    page = report.html()
+    assert "2 passed" in page and "1 failed" in page and "1 missing" in page and "partly" not in page.split("<table")[0]
+    assert page.count("color:#176b2c") >= 3 and "color:#a11" in page and "color:#6b4fa1" in page
+    assert "2 / 5 points" in page

@@ -26,6 +26,9 @@ from .checks import CheckResult
 
 _LOCK = threading.Lock()
 OUTCOME_LABEL = {"pass": "passed", "partial": "partly", "fail": "failed", "missing": "missing", "error": "error"}
+#: Colour of each outcome, inline (a widget's HTML or a feedback page: no stylesheet needed).
+OUTCOME_COLOUR = {"pass": "#176b2c", "partial": "#8a5a00", "fail": "#a11", "missing": "#6b4fa1", "error": "#a11"}
+OUTCOME_MARK = {"pass": "✔", "partial": "◐", "fail": "✘", "missing": "?", "error": "!"}
 _CSS = """body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
 table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:.35rem .5rem;text-align:left;
 vertical-align:top}.pass{color:#176b2c}.partial{color:#8a5a00}.fail,.missing,.error{color:#a11}
@@ -175,7 +178,9 @@ def checks_table_html(checks: Iterable[Any]) -> str:
         c = c if isinstance(c, dict) else check_to_dict(c)
         e = html.escape
         tag = ' <span class="hidden">(hidden check)</span>' if c.get("hidden") else ""
-        rows.append(f'<tr><td>{e(c["name"])}{tag}</td><td class="{e(c["outcome"])}">'
+        colour = OUTCOME_COLOUR.get(c["outcome"], "#222")
+        rows.append(f'<tr><td>{e(c["name"])}{tag}</td><td class="{e(c["outcome"])}" '
+                    f'style="color:{colour};font-weight:600">{OUTCOME_MARK.get(c["outcome"], "")} '
                     f'{e(OUTCOME_LABEL.get(c["outcome"], c["outcome"]))}</td>'
                     f'<td>{c["points"]:g} / {c["max_points"]:g}</td><td>{e(c.get("message") or "")}</td></tr>')
     return ("<table><thead><tr><th>check</th><th>result</th><th>points</th><th>message</th></tr></thead>"

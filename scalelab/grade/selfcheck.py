@@ -53,9 +53,12 @@ class SelfCheckReport:
 
     def html(self) -> str:
         """HTML table (what the widget shows)."""
-        from .report import checks_table_html
+        from .report import OUTCOME_COLOUR, OUTCOME_LABEL, checks_table_html
+        counts = {o: sum(c.outcome == o for c in self.results) for o in OUTCOME_LABEL}
+        tally = ", ".join(f'<span style="color:{OUTCOME_COLOUR[o]};font-weight:600">{n} {OUTCOME_LABEL[o]}</span>'
+                          for o, n in counts.items() if n)
         head = (f"<p><b>Self-check {html.escape(self.lab_dir.name)}:</b> {self.score:g} / {self.max_score:g} points "
-                "from the public checks. The grade also counts hidden checks.</p>")
+                f"from the public checks ({tally}). The grade also counts hidden checks.</p>")
         return head + checks_table_html(self.results)
 
     def _repr_html_(self) -> str:
