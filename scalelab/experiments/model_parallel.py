@@ -1,0 +1,206 @@
+"""Lab 07: model parallelism and memory. SPMD experiments, run with `run_spmd` / an `SpmdPool`:
+
+    tp = run_spmd("scalelab.experiments.model_parallel:tensor_parallel_check", world=2)[0]
+    pp = run_spmd("scalelab.experiments.model_parallel:pipeline_measure", world=2,
+                  kwargs={"schedule": "1f1b", "micro": 4})[0]
+
+- `tensor_parallel_check`: the engine's MLP, its first two layers split column/row over the ranks (by
+  `scalelab.train.tensor_parallel`, or a student's module with the same two autograd functions), against the
+  serial layers: outputs and gradients, and the collectives it issued.
+- `pipeline_measure`: the MLP cut into one stage per rank, trained a few steps with a GPipe or 1F1B schedule;
+  bubble fraction measured from each stage's compute timeline against (p-1)/(m+p-1), activations held, and the
+  losses of the same steps trained unsplit on one process.
+- `reshard_save` / `reshard_restore`: an FSDP-sharded model and its Adam state saved with
+  torch.distributed.checkpoint at one world size and restored at another (2 -> 1 -> 2), compared exactly.
+FSDP itself is the engine's strategy `fsdp`: train it with `launch(spec)` and read its `memory` events.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..ckpt.sharded import ShardedCheckpointer
+from ..run.spec import ModelSpec
+from ..train.memory import CommCounter
+from ..train.models import build_model
+from ..train.pipeline import PipelineStage, bubble_formula, replay_bubble, split_layers
+from ..train import tensor_parallel as tp
+
+
+def _mlp(width: int, depth: int, size: int = 16, classes: int = 4, seed: int = 0):
+    """The engine's MLP on 1 x size x size fields."""
+    return build_model(ModelSpec("mlp", width=width, depth=depth), 1, size, classes, seed)
+
+
+def _rank_world() -> tuple[int, int]:
+    """(rank, world) of this process; (0, 1) when no process group was started (a pool of one rank)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _batch(n: int, size: int = 16, classes: int = 4, seed: int = 1):
+    """A seeded random batch of n fields (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, size, size, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def tensor_parallel_check(width: int = 64, batch: int = 8, seed: int = 0, module: str = "") -> dict:
+    """Split the engine MLP's first two layers over the ranks; compare output and gradients with the serial
+    layers. `module`: a module with CopyToParallel and ReduceFromParallel to use instead of the engine's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    impl = importlib.import_module(module) if module else tp
+    serial = _mlp(width, 2, seed=seed)
+    first, second = serial.net[1], serial.net[3]
+    x, _ = _batch(batch)
+    x = x.flatten(1)
+    parallel = tp.ParallelMLP(first, second, rank, world, copy=impl.CopyToParallel, reduce=impl.ReduceFromParallel)
+    x_serial, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_serial = second(F.relu(first(x_serial)))
+    with CommCounter() as counter:
+        y_par = parallel(x_par)
+        (y_par ** 2).sum().backward()
+    (y_serial ** 2).sum().backward()
+    want = tp.shard_of_serial_grads(first, second, rank, world)
+    grads = {n: float((p.grad - want[n]).abs().max()) for n, p in parallel.named_parameters()}
+    return {"rank": rank, "world": world, "out_diff": float((y_par - y_serial).abs().max()),
+            "input_grad_diff": float((x_par.grad - x_serial.grad).abs().max()), "grad_diffs": grads,
+            "param_elements": sum(p.numel() for p in parallel.parameters()),
+            "serial_elements": sum(p.numel() for p in (*first.parameters(), *second.parameters())),
+            "comm": counter.summary(), "output_bytes": y_par.numel() * y_par.element_size(),
+            "input_bytes": x.numel() * x.element_size()}
+
+
+def pipeline_measure(schedule: str = "gpipe", micro: int = 4, steps: int = 3, width: int = 1024, depth: int = 2,
+                     size: int = 32, batch: int = 128, seed: int = 0, lr: float = 0.05) -> dict:
+    """Train the engine's MLP as a pipeline of one stage per rank; per step: the losses (and those of the same
+    steps unsplit), the bubble replayed from the stages' measured compute times (`replay_bubble`) and the
+    wall-clock one. Defaults: a 32x32 input and width 1024, so the two stages have equal parameter counts."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if batch % micro:
+        raise ValueError(f"batch {batch} does not split into {micro} equal micro-batches: choose micro dividing "
+                         "batch")
+    serial = _mlp(width, depth, size, seed=seed)
+    stages = split_layers(serial.net, world)
+    stage_module = _mlp(width, depth, size, seed=seed).net  # a second copy: trained as a pipeline, `serial` unsplit
+    stage_module = split_layers(stage_module, world)[rank]
+    stage = PipelineStage(stage_module, rank, world)
+    cut_in = [sum(len(s) for s in stages[:k]) for k in range(world)]
+    opt = torch.optim.SGD(stage_module.parameters(), lr=lr)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=lr)
+    mb = batch // micro
+    out = {"rank": rank, "stages": world, "micro": micro, "schedule": schedule, "losses": [], "serial_losses": [],
+           "bubble": [], "wall_bubble": [], "wall_s": [], "busy_s": [],
+           "stage_parameters": [sum(p.numel() for p in st.parameters()) for st in stages]}
+    for step in range(steps):
+        x, y = _batch(batch, size, seed=100 + step)
+        xs, ys = list(x.split(mb)), list(y.split(mb))
+        with torch.no_grad():  # the activation shape entering this stage, for its receives
+            h = x[:mb]
+            for layer in serial.net[:cut_in[rank]]:
+                h = layer(h)
+            shape = tuple(h.shape)
+        dist.barrier()  # every stage starts the step together: the wall clock below is shared
+        r = stage.step(schedule, xs, ys, lambda i: shape, F.cross_entropy)
+        wall = torch.tensor([r["wall_s"]], dtype=torch.float64)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the step ends when its slowest stage's last compute does
+        busy = torch.tensor([r["busy_s"]], dtype=torch.float64)
+        dist.all_reduce(busy)
+        timelines = [None] * world
+        dist.all_gather_object(timelines, r["timeline"])
+        loss = torch.tensor([r["loss"] if stage.is_last else 0.0], dtype=torch.float64)
+        dist.broadcast(loss, src=world - 1)
+        opt.step()
+        opt.zero_grad()
+        serial_loss = F.cross_entropy(serial(x), y)
+        serial_loss.backward()
+        serial_opt.step()
+        serial_opt.zero_grad()
+        out["losses"].append(float(loss))
+        out["serial_losses"].append(float(serial_loss))
+        out["wall_s"].append(float(wall))
+        out["busy_s"].append(r["busy_s"])
+        out["bubble"].append(replay_bubble(timelines)["bubble"])
+        out["wall_bubble"].append(1 - float(busy) / world / float(wall))
+    # the median step (the first pays for warm-up)
+    out.update(timelines=timelines, peak_in_flight=r["peak_in_flight"], formula=bubble_formula(world, micro),
+               activation_bytes_per_micro=int(torch.Size(shape).numel()) * 4,
+               measured_bubble=_median(out["bubble"][1:] or out["bubble"]),
+               measured_wall_bubble=_median(out["wall_bubble"][1:] or out["wall_bubble"]))
+    return out
+
+
+def _median(xs: list) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _sharded_model(width: int, seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = _mlp(width, 2, seed=seed)
+    rank, world = _rank_world()
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for pid, state in osd.get("state", {}).items():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                flat[f"optim.{pid}.{k}"] = v
+    return flat
+
+
+def reshard_save(ckpt_dir: str, width: int = 64, steps: int = 3, seed: int = 0) -> dict:
+    """Train an (FSDP-sharded when world > 1) MLP with Adam a few steps, save it sharded at `steps`; returns the
+    full state's checksums and the bytes this rank held."""
+    model = _sharded_model(width, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = _batch(8, seed=step + _rank_world()[0] * 1000)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    rank, world = _rank_world()
+    ckpt = ShardedCheckpointer(ckpt_dir, rank=rank, world=world)
+    ckpt.save(steps, model, opt)
+    ckpt.close()
+    return {"world": world, "state": _digest(_full_state(model, opt))}
+
+
+def reshard_restore(ckpt_dir: str, save_dir: str = "", width: int = 64, seed: int = 1) -> dict:
+    """Restore the newest checkpoint of `ckpt_dir` into a freshly made model (a different seed: nothing but the
+    checkpoint can make it equal) at this world size; save it again to `save_dir` if given."""
+    model = _sharded_model(width, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = _batch(8)
+    F.cross_entropy(model(x), y).backward()  # Adam's state must exist for the checkpoint's to load into it
+    opt.step()
+    opt.zero_grad()
+    rank, world = _rank_world()
+    ckpt = ShardedCheckpointer(ckpt_dir, rank=rank, world=world)
+    step = ckpt.restore(model, opt)
+    out = {"world": world, "step": step, "state": _digest(_full_state(model, opt))}
+    if save_dir:
+        again = ShardedCheckpointer(save_dir, rank=rank, world=world)
+        again.save(step, model, opt)
+        again.close()
+    return out
+
+
+def _digest(flat: dict) -> dict:
+    """name -> [sum, sum of squares, first element] in float64: equal states give identical digests."""
+    return {k: [float(v.double().sum()), float((v.double() ** 2).sum()), float(v.flatten()[0])]
+            for k, v in sorted(flat.items())}
+
+
+__all__ = ["tensor_parallel_check", "pipeline_measure", "reshard_save", "reshard_restore"]
