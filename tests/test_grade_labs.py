@@ -68,6 +68,11 @@ def test_lab_releases_cleanly_and_has_its_grading_files(lab, tmp_path):
     assert report.exercises >= 1, f"{lab.name}: no '# BEGIN SOLUTION' block, so the student copy is the solution"
     assert not (tmp_path / lab.name / "hidden_checks.py").exists()
     assert settings.grading.total_timeout_s >= settings.grading.cell_timeout_s
+    import json
+    code = ["".join(c["source"]) for c in json.loads((lab / "lab.ipynb").read_text())["cells"]
+            if c["cell_type"] == "code"]
+    assert any("SelfCheck(" in src and ".check()" in src for src in code), \
+        f"{lab.name} needs a SelfCheck cell near its end (students check their work; papermill shows the result)"
 
 
 @pytest.mark.slow

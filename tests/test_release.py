@@ -48,16 +48,21 @@ def test_student_notebook_strips_outputs_counts_and_run_metadata():
                      "outputs": [{"output_type": "stream", "name": "stdout", "text": "42"}],
                      "metadata": {"papermill": {"duration": 1}, "execution": {}, "tags": ["exercise-1"]}},
                     {"cell_type": "markdown", "id": "b", "source": "# BEGIN SOLUTION in prose stays",
-                     "metadata": {}}]}
+                     "metadata": {}},
+                    {"cell_type": "code", "id": "c", "execution_count": None, "source": "use(secret)",
+                     "outputs": [], "metadata": {}}]}
+    nb["cells"].insert(0, {"cell_type": "code", "id": "setup", "execution_count": None, "source": "import x",
+                           "outputs": [], "metadata": {}})
     student, blocks = student_notebook(nb)
-    code = student["cells"][0]
+    setup, code, after = student["cells"][0], student["cells"][1], student["cells"][3]
     assert blocks == 1 and "secret" not in code["source"] and code["outputs"] == []
-    # the exercise cell goes on when its placeholder raises (Run All reaches the rest of the lab)
+    # the exercise cell (and every code cell after it) goes on when it raises: Run All reaches the rest of the lab
     assert code["execution_count"] is None and code["metadata"] == {"tags": ["exercise-1", "raises-exception"]}
     assert "papermill" not in student["metadata"]
     assert student["metadata"]["kernelspec"]["name"] == "scalelab"  # students open it on the course kernel
-    assert student["cells"][1]["source"] == "# BEGIN SOLUTION in prose stays"
-    assert nb["cells"][0]["outputs"]  # the reference is not changed
+    assert after["metadata"]["tags"] == ["raises-exception"] and setup["metadata"] == {}  # before: stops as usual
+    assert student["cells"][2]["source"] == "# BEGIN SOLUTION in prose stays"
+    assert nb["cells"][1]["outputs"]  # the reference is not changed
 
 
 def _lab_with_runs(tmp_path) -> Path:

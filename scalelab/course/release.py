@@ -10,8 +10,9 @@ indentation of the BEGIN line:
     # YOUR CODE HERE
     raise NotImplementedError("exercise")
 
-and the cell is tagged `raises-exception`, so Run All (JupyterLab's, and papermill's) goes on past an unsolved
-exercise to the rest of the lab. Student copies open on the course kernel (`COURSE_KERNELSPEC`).
+and, from the first exercise on, every code cell is tagged `raises-exception`: Run All (JupyterLab's, and
+papermill's) goes on past an unsolved exercise, and past the cells that use its answer, to the rest of the lab;
+each error stays visible where it happened (and papermill still reports the first one). Student copies open on the course kernel (`COURSE_KERNELSPEC`).
 
 A marker without its partner, or a nested BEGIN, is a ReleaseError naming the lab, the cell and the line: a
 half-stripped solution must never reach students. lab.yaml and checks.py are kept (SelfCheck needs them);
@@ -70,6 +71,7 @@ def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
     """A student copy of a notebook (JSON dict): solutions replaced, outputs and run metadata stripped."""
     nb = copy.deepcopy(nb)
     total = 0
+    goes_on = False  # from the first exercise on, every code cell goes on when it raises (it may use an answer)
     for index, cell in enumerate(nb.get("cells", [])):
         meta = cell.setdefault("metadata", {})
         for key in _RUN_METADATA:
@@ -79,7 +81,8 @@ def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
         source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
         new, blocks = strip_solutions(source, f"{where}: cell {index} (id {cell.get('id')!r})")
         cell["source"], cell["outputs"], cell["execution_count"] = new, [], None
-        if blocks and GOES_ON_TAG not in meta.setdefault("tags", []):
+        goes_on = goes_on or bool(blocks)
+        if goes_on and GOES_ON_TAG not in meta.setdefault("tags", []):
             meta["tags"].append(GOES_ON_TAG)
         total += blocks
     for key in _RUN_METADATA:
