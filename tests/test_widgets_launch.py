@@ -72,12 +72,31 @@ def test_stop_ends_the_run_and_every_process(panel):
     panel.steps.value = 100_000
     panel.workers.value = 2
     run = panel.launch()
+    assert "starting" in panel.status.value and "of 2 ranks ready" in panel.status.value
     while not panel.series["loss"]:
         panel.refresh(draw=False)
         time.sleep(0.2)
+    assert panel.ready == {0, 1}
+    before = panel.plot.value
     panel.stop_button.click()
     assert run.status == "stopped" and not panel.active
     assert processes_of(run.run_dir) == []
+    assert panel.plot.value != before and "stopped" in panel.figure().axes[0].get_title()  # redrawn: says stopped
+
+
+def test_before_any_launch_the_plot_is_an_image_not_a_broken_icon(panel):
+    assert panel.plot.value[:4] == b"\x89PNG" and panel.run is None
+
+
+def test_the_loss_is_drawn_with_its_smoothed_trend():
+    from scalelab.widgets._plots import run_figure, smooth
+    assert smooth([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # bias-corrected: no ramp from zero
+    noisy = [2.0 - 0.01 * i + (0.5 if i % 2 else -0.5) for i in range(100)]
+    trend = smooth(noisy)
+    assert max(abs(a - b) for a, b in zip(trend[20:], trend[21:])) < 0.2  # far calmer than the 1.0 swings
+    fig = run_figure({"loss": {0: list(enumerate(noisy))}, "samples_per_s": {0: [(1, 5.0)]}})
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert "rank 0 (smoothed)" in labels
 
 
 def test_a_failed_run_fails_follow_naming_the_rank(tmp_path):

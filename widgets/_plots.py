@@ -34,9 +34,15 @@ def run_figure(series: dict, title: str = "") -> Figure:
     fig = Figure(figsize=(9, 3.2))
     axes = fig.subplots(1, 2)
     for ax, metric, label in zip(axes, METRICS, ("loss", "samples/s per rank")):
-        for rank, pts in sorted(series.get(metric, {}).items()):
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"rank {rank}", lw=1.2)
+        for i, (rank, pts) in enumerate(sorted(series.get(metric, {}).items())):
+            if not pts:
+                continue
+            steps, values = [p[0] for p in pts], [p[1] for p in pts]
+            if metric == "loss" and len(pts) > 4:  # the raw loss is noisy: draw it faint, its trend bold
+                ax.plot(steps, values, color=f"C{i}", lw=0.8, alpha=0.35)
+                ax.plot(steps, smooth(values), color=f"C{i}", lw=1.8, label=f"rank {rank} (smoothed)")
+            else:
+                ax.plot(steps, values, color=f"C{i}", label=f"rank {rank}", lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         if series.get(metric):
@@ -45,6 +51,15 @@ def run_figure(series: dict, title: str = "") -> Figure:
     axes[1].set_title("per-rank throughput", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def smooth(values: list[float], alpha: float = 0.2) -> list[float]:
+    """Exponential moving average, bias-corrected (as TensorBoard smooths): the trend of a noisy curve."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = alpha * v + (1 - alpha) * avg
+        out.append(avg / (1 - (1 - alpha) ** i))
+    return out
 
 
 def scaling_figure(rows, x_key: str = "workers", title: str = "") -> Figure:

@@ -42,6 +42,8 @@ class LaunchPanel:
         self.runs: list = []
         self.series = run_series([])
         self._seen = 0
+        self.ready: set[int] = set()
+        """Ranks of the current run that have started training (sent their start event)."""
         self._watcher: threading.Thread | None = None
         self.preset = W.Dropdown(options=list(PRESETS), value=preset, description="preset")
         self.workers = W.BoundedIntText(min=1, max=1024, description="workers/node")
@@ -56,7 +58,8 @@ class LaunchPanel:
         self.status = W.HTML("status: <b>idle</b>")
         self.launch_button = W.Button(description="Launch", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
-        self.plot = W.Image(format="png")
+        self.plot = W.Image(format="png", value=png_bytes(run_figure(self.series, "launch a run: its per-rank "
+                                                                          "curves appear here, step by step")))
         self.launch_button.on_click(self._on_launch_click)
         self.stop_button.on_click(lambda _: self.stop())
         self._load_preset(preset)
@@ -116,7 +119,7 @@ class LaunchPanel:
         out = self.out_dir / f"{spec.name}-{len(self.runs) + 1}-{spec.world_size}w-{time.strftime('%H%M%S')}"
         self.run = launch(spec.replace(output_dir=str(out)))
         self.runs.append(self.run)
-        self.series, self._seen = run_series([]), 0
+        self.series, self._seen, self.ready = run_series([]), 0, set()
         self.stop_button.disabled, self.launch_button.disabled = False, True
         self._show_status()
         return self.run
@@ -127,6 +130,7 @@ class LaunchPanel:
             return self.series
         new = self.run.events(since=self._seen)
         self._seen += len(new)
+        self.ready.update(e.get("rank") for e in new if e.get("type") == "start")
         run_series(new, since=self.series)
         self._show_status()
         if draw:
@@ -160,10 +164,10 @@ class LaunchPanel:
         return self.run.summary()
 
     def stop(self) -> None:
-        """Stop the run (what the Stop button does)."""
+        """Stop the run (what the Stop button does); the plot's title and the status then say so."""
         if self.run is not None:
             self.run.stop()
-            self.refresh(draw=False)
+            self.refresh(draw=True)
 
     def figure(self):
         """The current per-rank loss and samples/s figure."""
@@ -207,6 +211,9 @@ class LaunchPanel:
         steps = max((pts[-1][0] for pts in self.series["loss"].values() if pts), default=0)
         rates = [pts[-1][1] for pts in self.series["samples_per_s"].values() if pts]
         text = f"status: <b>{run.status}</b> &middot; step {steps}/{run.spec.steps}"
+        if run.status in ACTIVE and not steps:  # workers start (seconds, with a cold import of torch)
+            text = (f"status: <b>starting</b> &middot; {len(self.ready)} of {run.spec.world_size} ranks ready "
+                    "(each rank starts Python and torch, then joins the process group)")
         if rates:
             text += f" &middot; {sum(rates):.0f} samples/s over {len(rates)} ranks"
         if run.status == "failed":
