@@ -124,3 +124,13 @@ def test_run_series_extends_incrementally_and_sorts_by_step():
     assert s == {"loss": {1: [(1, 0.7), (2, 0.5)]}, "samples_per_s": {1: [(1, 9.0), (2, 10.0)]}}
     run_series([{"type": "step", "rank": 0, "step": 1, "loss": 1.0, "samples_per_s": 5.0}], since=s)
     assert sorted(s["loss"]) == [0, 1]
+
+
+def test_follow_redraws_the_panel_while_the_run_goes(tmp_path):
+    # what a lab cell under Run All does: the panel shown above must move during the run, not only at its end
+    p = LaunchPanel(preset="tiny", out_dir=str(tmp_path), overrides={**FAST, "fault.kind": "slow", "fault.rank": 0,
+                                                                     "fault.step": 1, "fault.slow_s": 0.3}, steps=20)
+    p.launch()
+    p.follow(timeout=180, every=0.1, show=False, draw_every=0.2)
+    assert p.run.status == "succeeded"
+    assert p.draws >= 5, f"the plot was drawn {p.draws} times during a run of 20 slow steps"

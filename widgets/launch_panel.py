@@ -44,6 +44,8 @@ class LaunchPanel:
         self._seen = 0
         self.ready: set[int] = set()
         """Ranks of the current run that have started training (sent their start event)."""
+        self.draws = 0
+        """How many times the plot was drawn (each a new image in the browser)."""
         self._watcher: threading.Thread | None = None
         self.preset = W.Dropdown(options=list(PRESETS), value=preset, description="preset")
         self.workers = W.BoundedIntText(min=1, max=1024, description="workers/node")
@@ -135,13 +137,17 @@ class LaunchPanel:
         self._show_status()
         if draw:
             self.plot.value = png_bytes(self.figure())
+            self.draws += 1
         if not self.active:
             self.stop_button.disabled = True
             self.validate()
         return self.series
 
-    def follow(self, timeout: float | None = None, every: float = 1.0, show: bool = True) -> dict:
-        """Refresh until the run ends (what a notebook cell calls); saves and shows the final figure.
+    def follow(self, timeout: float | None = None, every: float = 1.0, show: bool = True,
+               draw_every: float | None = 1.0) -> dict:
+        """Refresh until the run ends (what a notebook cell calls), redrawing the panel's plot every `draw_every`
+        seconds (None: only at the end) so the panel shown above follows the run live; saves and shows the
+        final figure.
 
         Returns the run's summary; raises RunFailed like `Run.wait` when the run failed, RunTimeout (after
         stopping the run) when `timeout` passes first.
@@ -149,11 +155,15 @@ class LaunchPanel:
         if self.run is None:
             raise RuntimeError("nothing to follow: call launch() first")
         deadline = None if timeout is None else time.monotonic() + timeout
+        last_draw = time.monotonic()
         while self.active:
             if deadline is not None and time.monotonic() > deadline:
                 self.stop()
                 raise RunTimeout(f"run {self.run.run_dir.name} did not finish within {timeout:g} s; it was stopped")
-            self.refresh(draw=False)
+            draw = draw_every is not None and time.monotonic() - last_draw >= draw_every
+            self.refresh(draw=draw)
+            if draw:
+                last_draw = time.monotonic()
             time.sleep(every)
         self.refresh(draw=True)
         path = self.save_figure()
