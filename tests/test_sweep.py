@@ -99,3 +99,25 @@ def test_scaling_explorer_validates_runs_plots_and_keeps_history(tmp_path):
     ex._thread.join(timeout=180)
     assert [h["mode"] for h in ex.history] == ["weak", "strong"] and ex.rows[1]["batch_per_worker"] == 16
     assert "done" in ex.progress.value
+
+
+def test_the_explorer_opens_only_the_fields_its_mode_uses(tmp_path):
+    ex = ScalingExplorer(preset="tiny", out_dir=str(tmp_path))
+    ex.mode.value = "weak"
+    assert not ex.workers.disabled and ex.batches.disabled and ex.global_batch.disabled
+    ex.mode.value = "batch"
+    assert ex.workers.disabled and not ex.batches.disabled and ex.global_batch.disabled
+    ex.mode.value = "strong"
+    assert not ex.workers.disabled and ex.batches.disabled and not ex.global_batch.disabled
+
+
+def test_an_efficiency_above_one_is_drawn_with_a_note_saying_what_it_is():
+    from scalelab.widgets._plots import efficiency_note, scaling_figure
+    rows = [{"workers": 1, "speedup": 1.0, "ideal_speedup": 1, "efficiency": 1.0, "time_fraction": {"compute": 1}},
+            {"workers": 2, "speedup": 2.64, "ideal_speedup": 2, "efficiency": 1.32, "time_fraction": {"compute": 1}}]
+    note = efficiency_note(rows)
+    assert "efficiency 1.32 > 1" in note and "warm-up" in note
+    texts = [t.get_text() for t in scaling_figure(rows).axes[1].texts]
+    assert note in texts
+    rows[1]["efficiency"] = 0.9
+    assert efficiency_note(rows) == "" and not scaling_figure(rows).axes[1].texts

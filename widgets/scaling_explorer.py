@@ -88,6 +88,11 @@ class ScalingExplorer:
             self.run_button.disabled = True
             return str(e)
         points = ", ".join(f"{s.world_size}x{s.optim.batch_per_worker}" for s in specs)
+        mode = self.mode.value
+        # Only the fields this mode uses are open: the form never shows a value the sweep does not run with.
+        self.workers.disabled = mode == "batch"
+        self.batches.disabled = mode != "batch"
+        self.global_batch.disabled = mode != "strong"
         self.message.value = f"<span style='color:#070'>ok: {len(specs)} runs (workers x batch): {points}</span>"
         self.run_button.disabled = self.running
         return None
@@ -162,8 +167,11 @@ class ScalingExplorer:
         return saved
 
     def table_html(self) -> str:
-        """The last sweep's table as HTML."""
-        return "<pre>" + html.escape(format_table(self.rows)) + "</pre>"
+        """The last sweep's table as HTML (with the note the figure carries when an efficiency is above 1)."""
+        from ._plots import efficiency_note
+        note = efficiency_note(self.rows)
+        return "<pre>" + html.escape(format_table(self.rows)) + "</pre>" + (
+            f"<p style='color:#a11'>{html.escape(note)}</p>" if note else "")
 
     @property
     def widget(self) -> W.Widget:
