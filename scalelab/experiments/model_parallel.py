@@ -131,6 +131,25 @@ def pipeline_measure(schedule: str = "gpipe", micro: int = 4, steps: int = 3, wi
     return out
 
 
+def pipeline_figure(result: dict, title: str = ""):
+    """A step's per-stage timeline (forwards blue, backwards orange, micro-batch numbers on the boxes), replayed
+    with each stage's typical compute times as `replay_bubble` counts them; the gaps are the bubble."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(8, 0.7 + 0.6 * len(result["timelines"])))
+    ax = fig.add_subplot()
+    replayed = replay_bubble(result["timelines"])
+    for s, timeline in enumerate(replayed["timelines"]):
+        for (op, i, _, dur), start in zip(timeline, replayed["starts"][s]):
+            ax.broken_barh([(start * 1e3, dur * 1e3)], (s - 0.4, 0.8), color="#4c72b0" if op == "F" else "#dd8452")
+            ax.text((start + dur / 2) * 1e3, s, str(i), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(result["timelines"])), [f"stage {s}" for s in range(len(result["timelines"]))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into the step (forward blue, backward orange)")
+    ax.set_title(title or f"{result['schedule']}, {result['micro']} micro-batches: bubble "
+                          f"{result['measured_bubble']:.2f} (formula {result['formula']:.2f})")
+    return fig
+
+
 def _median(xs: list) -> float:
     return sorted(xs)[len(xs) // 2]
 
@@ -203,4 +222,4 @@ def _digest(flat: dict) -> dict:
             for k, v in sorted(flat.items())}
 
 
-__all__ = ["tensor_parallel_check", "pipeline_measure", "reshard_save", "reshard_restore"]
+__all__ = ["tensor_parallel_check", "pipeline_measure", "pipeline_figure", "reshard_save", "reshard_restore"]

@@ -133,7 +133,7 @@ def bubble_formula(stages: int, micro: int) -> float:
 def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
     """Replay a step's schedule with the stages' measured compute times, every stage on a core of its own:
     forward i on stage s waits for forward i on s-1, backward i for backward i on s+1. Returns the step's span,
-    each stage's busy time and the bubble fraction 1 - mean busy / span.
+    each stage's busy time, the bubble fraction 1 - mean busy / span, and when each operation starts.
 
     typical: each operation takes its stage's median forward (or backward) time, so a micro-batch that the OS
     happened to delay does not count as schedule; false: each operation's own measured time.
@@ -141,7 +141,8 @@ def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
     processes take turns on the cores and the wall clock shows that sharing, not the schedule's idle slots."""
     stages = len(timelines)
     if typical:
-        timelines = [_typical(t) for t in timelines]
+        timelines = [typical_timeline(t) for t in timelines]
+    starts: list[list[float]] = [[] for _ in range(stages)]
     end: dict[tuple[str, int, int], float] = {}
     clock, busy = [0.0] * stages, [0.0] * stages
     position = [0] * stages
@@ -156,6 +157,7 @@ def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
             if dep is not None and dep not in end:
                 continue  # its input has not been produced yet in the replay: another stage goes first
             start = max(clock[s], end.get(dep, 0.0))
+            starts[s].append(start)
             clock[s] = end[(op, s, i)] = start + (t1 - t0)
             busy[s] += t1 - t0
             position[s] += 1
@@ -164,10 +166,11 @@ def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
         if not progressed:
             raise ValueError("the stages' timelines wait on each other in a circle: not one step of one schedule")
     span = max(clock)
-    return {"span_s": span, "busy_s": busy, "bubble": 1 - sum(busy) / stages / span if span > 0 else 0.0}
+    return {"span_s": span, "busy_s": busy, "bubble": 1 - sum(busy) / stages / span if span > 0 else 0.0,
+            "starts": starts, "timelines": timelines}
 
 
-def _typical(timeline: list) -> list:
+def typical_timeline(timeline: list) -> list:
     """The timeline with every forward (backward) lasting the median forward (backward) of this stage."""
     med = {}
     for kind in ("F", "B"):

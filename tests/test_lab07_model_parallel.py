@@ -1,0 +1,85 @@
+"""Lab 07 (model parallelism) runs under papermill at its grading parameters and grades 100 %; its student copy
+stops at the first exercise and grades far below; a wrong or forged record fails the check that guards it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scalelab.course.execute import execute_notebook
+
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
+                      student_copy)
+
+LAB = ROOT / "labs" / "07_model_parallel"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters, with a process burning a core
+    beside it the whole time (a loaded laptop, a shared login node): (records, seconds)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        return run_reference(LAB, tmp_path_factory.mktemp("lab07"), cell_timeout=200, total_timeout=360,
+                             runs_in_out=True)
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    assert_full_marks_within(LAB, reference, 240)
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    records, _ = reference
+    runs = records["fsdp_runs"]
+    assert runs["fsdp_full"]["memory"]["state_bytes"] * 2 == runs["ddp"]["memory"]["state_bytes"]
+    assert runs["fsdp_full"]["loss_curve"] == pytest.approx(runs["ddp"]["loss_curve"], rel=1e-5)
+    assert records["memory_answers"]["traffic_ratio"] == pytest.approx(3.0)
+    pipe = records["pipeline"]
+    assert pipe["1f1b/8"]["measured_bubble"] < pipe["1f1b/1"]["measured_bubble"] == pytest.approx(0.5)
+    assert pipe["gpipe/8"]["peak_in_flight"] == [8, 8] and pipe["1f1b/8"]["peak_in_flight"] == [2, 1]
+    assert records["reshard"]["one_equal"] and records["reshard"]["two_equal"]
+
+
+def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    assert not (copy_dir / "hidden_checks.py").exists()
+    params = {**grading_parameters(LAB), "out_dir": str(tmp_path / "runs")}
+    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
+                              cell_timeout=200, total_timeout=360)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "lab07_params" in result.records and "my_state_table" not in result.records
+    points, most, _ = grade(LAB, result.records)
+    assert points < 0.1 * most
+
+
+def _scale(r, factor):
+    r["fsdp_runs"]["fsdp_full"]["memory"]["state_bytes"] *= factor
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r["my_state_table"]["bytes"].__setitem__(1, r["my_state_table"]["bytes"][0]), "state_arithmetic_written"),
+    (lambda r: r["fsdp_runs"]["fsdp_full"]["loss_curve"].__setitem__(0, 9.0), "fsdp_trains_like_ddp"),
+    (lambda r: _scale(r, 2), "fsdp_halves_the_state"),
+    (lambda r: r["memory_answers"].update(traffic_ratio=1.5), "measured_against_the_arithmetic"),
+    (lambda r: r["memory_answers"].update(predicted_fsdp_bytes=r["memory_answers"]["predicted_fsdp_bytes"] * 2),
+     "measured_against_the_arithmetic"),
+    (lambda r: r["tensor_parallel"][1].update(input_grad_diff=0.3), "tensor_parallel_by_hand_is_exact"),
+    (lambda r: r["pipeline"]["gpipe/8"].update(formula=1 / 8), "bubble_formula_written"),
+    (lambda r: r["pipeline"]["1f1b/8"].update(measured_bubble=0.5), "bubble_shrinks_and_1f1b_holds_less"),
+    (lambda r: r["reshard"].update(one_equal=False), "checkpoint_reshards_exactly"),
+    (lambda r: r["sizing"].update(gpus_for_70b=9), "seventy_b_sized"),
+    (lambda r: r["fsdp_runs"]["ddp"]["loss_curve"].__setitem__(-1, 0.1), "fsdp_runs_are_the_engine_runs"),
+    (lambda r: r["fsdp_runs"]["fsdp_full"].update(run_dir=r["fsdp_runs"]["ddp"]["run_dir"]),
+     "fsdp_runs_are_the_engine_runs"),
+    (lambda r: r["memory_answers"].update(fsdp_over_ddp=0.9), "sharding_halves_state_and_triples_collective_bytes"),
+    (lambda r: r["fsdp_runs"]["fsdp_grad_op"]["comm"]["all_gather"].update(bytes=1), "grad_op_gathers_once"),
+    (lambda r: r["pipeline"]["gpipe/8"].update(peak_in_flight=[2, 1]), "pipeline_records_agree"),
+    (lambda r: r["sizing"].update(gpus_for_70b=15, nodes_for_70b=2), "seventy_b_is_two_nodes"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    assert_check_notices(LAB, reference[0], forge, check_name)
