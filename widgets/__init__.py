@@ -14,6 +14,7 @@ _WIDGETS = {
     "CheckpointTimeline": "checkpoint_timeline",
     "SelfCheck": "self_check",
     "ClusterStatus": "cluster_status",
+    "ParallelismPlanner": "parallelism_planner",
 }
 
 
