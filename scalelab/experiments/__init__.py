@@ -15,6 +15,9 @@ Each module serves one lab and builds its models, data and optimizers with the e
                    efficiency tables (the ScalingExplorer widget's core).
 - `data_pipeline`, `straggler`   (lab 05) file layouts, prefetch, caches, order-aware loading; one slow reader.
 - `checkpointing`, `ckpt_timeline`   (lab 06) checkpoint anatomy, sync/async/sharded stalls on a run's clock.
+- `model_parallel` (lab 07) tensor parallelism by hand against the serial layers, pipeline bubble (GPipe,
+                   1F1B), sharded checkpoints resharded 2 -> 1 -> 2 — run with `run_spmd`.
+- `planner`        (lab 07) dp x tp x pp on nodes x GPUs: memory, traffic, links (ParallelismPlanner's core).
 - `plots`          the labs' figures (matplotlib object API, PNG).
 
 Lab-only measurement code lives here and nowhere else: `scalelab.data` and `scalelab.ckpt` are the engine's.
