@@ -6,6 +6,7 @@ Playwright drives Debian's /usr/bin/chromium (Playwright's own browser download 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -109,3 +110,55 @@ def test_slurm_spawn_form_pick_a_profile_and_get_lab(tmp_path, slurm_cluster, br
     finally:
         page.close()
         runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def lab_hub(tmp_path_factory):
+    """A hub whose students get the released lab 02 (solutions out, exercise cells going on), on the course kernel."""
+    from scalelab.course.release import release_lab
+    from scalelab.paths import labs_dir
+    work = tmp_path_factory.mktemp("hub-lab02")
+    release_lab(labs_dir() / "02_data_parallel", work / "labs" / "02_data_parallel")
+    runner = HubRunner(work, mode="local", settings={"kernels": {"install": True}})
+    runner.start()
+    yield runner
+    runner.cleanup()
+
+
+def test_a_student_runs_all_of_lab_02_and_sees_the_panel_move_and_the_self_check(lab_hub, browser):
+    """The student's path through a real lab: Run All on a fresh student copy goes past the unsolved exercises to
+    the LaunchPanel, whose plot changes while its runs go, and ends in a SelfCheck with coloured results."""
+    hub, user = lab_hub, lab_hub.user("newstudent")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(f"{hub.url}/hub/login")
+        page.fill("input[name=username]", user)
+        page.fill("input[name=password]", hub.password)
+        page.click("#login_submit")
+        page.wait_for_url(f"**/user/{user}/lab**", timeout=90_000)
+        page.goto(f"{hub.url}/user/{user}/lab/tree/labs/02_data_parallel/lab.ipynb")
+        page.wait_for_selector(".jp-Toolbar-kernelName:has-text('Python 3 (scalelab course)')", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+        page.keyboard.press("Escape")
+        page.locator("div.lm-MenuBar-itemLabel", has_text="Run").click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        # the LaunchPanel's image: count the different pictures it shows while its runs go
+        images, deadline = set(), time.monotonic() + 400
+        while time.monotonic() < deadline:
+            for src in page.eval_on_selector_all(".widget-image", "els => els.map(e => e.src)"):
+                images.add(src)
+            if page.locator("text=Self-check 02_data_parallel").count():
+                break
+            page.wait_for_timeout(300)
+        assert len(images) >= 5, f"the panel's plot showed {len(images)} different images during its runs"
+        report = page.locator("text=Self-check 02_data_parallel").first
+        html = report.evaluate("e => e.closest('.jp-OutputArea-output, .widget-html').innerHTML")
+        assert "color:#176b2c" in html.replace(" ", "") or "color: rgb(23, 107, 44)" in html
+        assert "#a11" in html or "#6b4fa1" in html or "rgb(170, 17, 17)" in html  # unsolved: red or purple rows
+    except Exception:
+        page.screenshot(path=str(hub.workdir / "lab02-failure.png"))
+        raise
+    finally:
+        page.close()
