@@ -92,8 +92,44 @@ def _display_in_kernel(payload: dict, name: str, value: Any) -> None:
     # A terminal IPython has no kernel and would only print a dict repr: treat it like a plain script.
     if shell is None or getattr(shell, "kernel", None) is None:
         return
+    quiet_last_record(shell)
     from IPython.display import display
     display({MIME: payload, "text/plain": f"record: {name} = {_short(value)}"}, raw=True)
+
+
+class _QuietRecord:
+    """IPython AST transformer: a cell whose last statement is `record(...)` does not echo the recorded value as
+    Out[] (record already showed one line for it; a 40-line dict repeated helps nobody). The value is still
+    returned, so `x = record("x", f())` keeps working."""
+
+    def visit(self, node):
+        import ast
+        body = getattr(node, "body", None)
+        if body and isinstance(body[-1], ast.Expr) and isinstance(body[-1].value, ast.Call):
+            func = body[-1].value.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name == "record":
+                body.append(ast.fix_missing_locations(ast.copy_location(ast.Pass(), body[-1])))
+        return node
+
+
+def quiet_last_record(shell) -> None:
+    """Install `_QuietRecord` in IPython `shell` once (from the first record() in a kernel on)."""
+    if not any(isinstance(t, _QuietRecord) for t in shell.ast_transformers):
+        shell.ast_transformers.append(_QuietRecord())
+
+
+def _quiet_in_kernel() -> None:
+    # Imported in a kernel's cell: the cells after it are quiet from the start (not only after a first record()).
+    if "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+    shell = get_ipython()
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        quiet_last_record(shell)
+
+
+_quiet_in_kernel()
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -139,3 +139,19 @@ def test_read_records_accepts_payloads_stored_as_json_strings():
 def test_read_records_refuses_a_malformed_record_output():
     with pytest.raises(RecordError, match="malformed"):
         read_records(_nb([_output({"value": 3})]))
+
+
+def test_a_cell_ending_in_record_does_not_echo_the_whole_value():
+    from IPython.core.interactiveshell import InteractiveShell
+    from scalelab.record import quiet_last_record
+    shell = InteractiveShell.instance()
+    try:
+        echoed = shell.run_cell("from scalelab.record import record\nrecord('big', {'a': list(range(50))})")
+        assert echoed.result == {"a": list(range(50))}  # without the transformer: Out[] repeats the value
+        quiet_last_record(shell)
+        quiet_last_record(shell)  # once is enough: a second install changes nothing
+        assert sum(type(t).__name__ == "_QuietRecord" for t in shell.ast_transformers) == 1
+        assert shell.run_cell("record('big', {'a': list(range(50))})").result is None
+        assert shell.run_cell("y = record('y', 5)\ny").result == 5  # the value is still returned and shown
+    finally:
+        InteractiveShell.clear_instance()
