@@ -75,7 +75,9 @@ _OUT_OF_RANGE = {
     "checkpoint.every_steps": -1, "checkpoint.mode": "magic", "checkpoint.keep_last": 0, "checkpoint.keep_best": -1,
     "slurm.partition": "gpu\n#SBATCH --exclusive", "slurm.account": "a b", "slurm.reservation": "r;rm -rf /",
     "slurm.time": "forever", "slurm.gpus_per_node": -1, "slurm.cpus_per_task": 0, "slurm.mem": "lots",
-    "fault.kind": "meteor", "fault.rank": -1, "fault.step": -1, "steps": 0, "epochs": -1, "seed": -5,
+    "fault.kind": "meteor", "fault.rank": -2, "fault.step": -1, "fault.node": -2, "fault.slow_s": -1.0,
+    "fault.detect_timeout_s": 0.5, "fault.recovery": "pray", "world.max_restarts": -1, "slurm.signal": "KILL",
+    "steps": 0, "epochs": -1, "seed": -5,
     "log_every": 0, "fsdp.sharding": "zero9",
 }
 
@@ -91,7 +93,8 @@ def test_a_value_out_of_range_names_the_field_and_the_value(key):
 
 
 def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
-    free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress", "fsdp.reshard_after_forward"}
+    free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress", "fsdp.reshard_after_forward",
+                 "checkpoint.on_signal", "slurm.requeue"}
     assert set(RULES) - free_text == set(_OUT_OF_RANGE)
 
 

@@ -67,6 +67,11 @@ class ProcessRun(Run):
 
     def _backend_state(self):
         codes = [p.poll() for p in self.procs]
+        if self._rank_of_proc and self.tolerates_rank_loss:
+            if None in codes:
+                return "running", None, None  # a lost rank is for the survivors to recover from
+            lost = self.lost_ranks()
+            codes = [0 if i in lost else code for i, code in enumerate(codes)]
         for i, code in enumerate(codes):
             if code not in (None, 0):
                 if self._rank_of_proc:

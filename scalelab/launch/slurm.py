@@ -19,7 +19,7 @@ from ..cluster.slurm import job_fields, job_phase, slurm_command, slurm_env
 from ..errors import LaunchError
 from ..run.handle import Run
 from ..run.procs import scrub_env
-from . import srun
+from . import requeue, srun
 from .base import prepare_run_dir, start_process, threads_for, worker_command
 
 # srun: "srun: error: node1: task 1: Exited with exit code 1" / "srun: error: node1: task 1: Killed"
@@ -39,6 +39,7 @@ def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
             lines.append(f"#SBATCH --{flag}={value}")
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gres=gpu:{s.gpus_per_node}")
+    lines += requeue.sbatch_options(spec)
     threads = spec.world.threads_per_worker or s.cpus_per_task
     lines += [
         "set -euo pipefail",
@@ -57,6 +58,9 @@ def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
     else:
         # --kill-on-bad-exit: one failed rank ends the step at once instead of leaving the others in allreduce
         lines.append(f"srun --kill-on-bad-exit=1 --cpu-bind=none {worker}")
+    if spec.checkpoint.on_signal:  # run it in the background under a trap that passes a preemption signal on
+        forward = "kill" if spec.strategy == "horovod" else "scancel"
+        lines[-1:] = requeue.preemptible(lines[-1], spec, run_dir, forward)
     return "\n".join(lines) + "\n"
 
 
@@ -85,6 +89,8 @@ class SlurmRun(srun.WatchesNodes, Run):
         state = info.get("JobState", "")
         phase = job_phase(state)
         if phase in ("pending", "held"):
+            if self.spec.slurm.requeue:  # back in the queue after an emergency checkpoint: start again at once
+                requeue.release_requeued(self.job_id, info, self.env)
             self._cached = ("pending", None, None)
         elif phase in ("running", "completing"):  # COMPLETING: its ranks' last events may still be on their way
             self._cached = ("running", None, None)

@@ -1,7 +1,7 @@
 """The `Run` handle: what a notebook cell, a widget and the CLI hold while a run goes on.
 
     run = launch(spec)            # returns at once
-    run.status                    # pending | running | succeeded | failed | stopped
+    run.status                    # pending | running | succeeded | failed | stopped | preempted
     run.events(since=0)           # every event so far (new ones: pass the count you already have)
     run.logs(rank)                # a rank's output (None: the launcher's own)
     summary = run.wait(timeout)   # raises RunFailed (naming the rank and its error) or RunTimeout
@@ -57,7 +57,7 @@ class Run:
     # -- observing --------------------------------------------------------------------------------
     @property
     def status(self) -> str:
-        """pending, running, succeeded, failed or stopped (polls when still active)."""
+        """pending, running, succeeded, failed, stopped or preempted (polls when still active)."""
         if self._state in ACTIVE:
             self.poll()
         return self._state
@@ -70,15 +70,19 @@ class Run:
         self._track_ranks(new)
         # Root causes first: a rank's own error, then a rank that vanished, then what the launcher says about a
         # rank, and only then errors that ranks saw because a peer died.
-        failure = self._first_error_event(primary=True) or self._vanished_rank()
+        # An elastic or forward-recovering run outlives a lost rank: only its launcher's verdict counts.
+        tolerant = self.tolerates_rank_loss
+        failure = None if tolerant else self._first_error_event(primary=True) or self._vanished_rank()
         state, message, rank = self._backend_state()
         if failure is None and state == "failed" and rank is not None:
             failure = (message, rank)
-        failure = failure or self._first_error_event(primary=False)
+        failure = failure or (None if tolerant else self._first_error_event(primary=False))
         if failure is None and state == "failed":
             failure = (message or "the launcher reported a failure", rank)
         if failure is not None:
             self._fail(*failure)
+        elif state == "succeeded" and self._all_preempted():  # every rank saved an emergency checkpoint and left
+            self._finish("preempted")
         elif state == "succeeded" and not self._all_ended():
             self._reader.poll()  # last lines may land just after the processes exit
             if self._all_ended():
@@ -164,21 +168,40 @@ class Run:
 
     def _vanished_rank(self):
         """A rank on this host whose process is gone without an end or error event: killed or crashed hard."""
-        ended = {e["rank"] for e in self._reader.all if e["type"] in ("end", "error")}
+        final = ("end", "error", "preempted")
+        ended = {e["rank"] for e in self._reader.all if e["type"] in final}
         for rank, proc in sorted(self._rank_procs.items()):
             if rank not in ended and not _alive(proc):
                 self._reader.poll()  # it may have written its end event just before exiting
-                if any(e["rank"] == rank and e["type"] in ("end", "error") for e in self._reader.all):
+                if any(e["rank"] == rank and e["type"] in final for e in self._reader.all):
                     continue
                 return f"rank {rank} (pid {proc.pid}) died without reporting an error: killed by a signal or " \
                        f"os._exit; see {self.run_dir / 'logs'}", rank
         return None
 
+    @property
+    def tolerates_rank_loss(self) -> bool:
+        """True for runs that recover from a lost rank: torchrun restarts (world.max_restarts) or forward
+        recovery (fault.recovery) — their ranks' errors and deaths are recovered from, not the run's end."""
+        return self.spec.world.max_restarts > 0 or self.spec.fault.recovery == "forward"
+
+    def lost_ranks(self) -> set[int]:
+        """Ranks the survivors left behind (forward recovery's `recovered` events name them)."""
+        return {r for e in self._reader.all if e["type"] == "recovered" for r in e.get("lost", [])}
+
+    def _all_preempted(self) -> bool:
+        """Every rank's latest start/end/preempted event is 'preempted' (a requeued attempt starts them again)."""
+        last = {}
+        for e in self._reader.all:
+            if e["type"] in ("start", "end", "preempted"):
+                last[e["rank"]] = e["type"]
+        return all(last.get(r) == "preempted" for r in range(self.spec.world_size))
+
     def _all_ended(self) -> bool:
         return not self._missing_end()
 
     def _missing_end(self) -> list[int]:
-        ended = {e["rank"] for e in self._reader.all if e["type"] == "end"}
+        ended = {e["rank"] for e in self._reader.all if e["type"] == "end"} | self.lost_ranks()
         return [r for r in range(self.spec.world_size) if r not in ended]
 
     def __repr__(self):

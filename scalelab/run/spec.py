@@ -86,6 +86,9 @@ class WorldSpec:
     """How a rank waits for its step's gradient allreduce on the host (DDP on gloo, Horovod on CPU): spin (stay
     on the core, yielding, as MPI does), block (sleep until woken) or auto (spin when this node has a core for
     every rank's threads). GPU collectives always block."""
+    max_restarts: int = 0
+    """torchrun: how often the agent restarts the workers after one fails, each restart resuming from the newest
+    checkpoint (elastic, c10d rendezvous; 0: a failure ends the run)."""
 
 
 @dataclass
@@ -128,6 +131,9 @@ class CheckpointSpec:
     """Also keep this many checkpoints with the lowest training loss."""
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir if there is one."""
+    on_signal: bool = False
+    """On SIGTERM or SIGUSR1 (preemption, a time limit near) the ranks agree at the next step, save an emergency
+    checkpoint and exit cleanly (run status 'preempted'); a relaunch resumes from it exactly."""
 
 
 @dataclass
@@ -135,11 +141,22 @@ class FaultSpec:
     """A fault to inject, for fault-tolerance lessons: what a failing rank does to the run."""
 
     kind: str = "none"
-    """none, raise (an exception), exit (non-zero exit), kill (SIGKILL itself) or hang (stop responding)."""
+    """none, raise (an exception), exit (non-zero exit), kill (SIGKILL itself), hang (stop responding) or slow
+    (a straggler: slow_s extra seconds every step from `step` on)."""
     rank: int = 0
-    """Which rank misbehaves."""
+    """Which rank misbehaves (global rank; -1: every rank of `node`, a whole node lost)."""
     step: int = 1
-    """At which step (before its forward pass)."""
+    """At which step (before its forward pass); fires in the first attempt only, not after a restart."""
+    node: int = -1
+    """Only on this node index (SLURM_NODEID / torchrun's GROUP_RANK; -1: wherever `rank` runs)."""
+    slow_s: float = 0.5
+    """Extra seconds per step for kind slow."""
+    detect_timeout_s: float = 120.0
+    """How long a rank waits in a collective for a silent peer before it gives up (the process-group timeout):
+    a hung rank is detected after this."""
+    recovery: str = "fail"
+    """What survivors do when a rank is lost: fail (the run fails; restart it from a checkpoint) or forward (the
+    survivors re-form the group and continue from their in-memory state, global batch kept: no rollback)."""
 
 
 @dataclass
@@ -172,6 +189,11 @@ class SlurmSpec:
     """CPUs per rank."""
     mem: str = ""
     """Memory per node, e.g. 4G (empty: the partition's default)."""
+    signal: str = ""
+    """A warning before the time limit, SIG@SECONDS, e.g. USR1@60 (sbatch --signal=B:USR1@60); the batch script
+    passes it to the ranks (empty: none)."""
+    requeue: bool = False
+    """Requeue the job after an emergency checkpoint (on_signal) so it resumes from it (sbatch --requeue)."""
 
 
 @dataclass

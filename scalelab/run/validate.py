@@ -21,7 +21,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_MODES = ("sync", "async", "sharded")
 DATA_FORMATS = ("memory", "files", "shards", "hdf5")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("none", "raise", "exit", "kill", "hang")
+FAULT_KINDS = ("none", "raise", "exit", "kill", "hang", "slow")
+RECOVERIES = ("fail", "forward")
+SIGNALS = re.compile(r"^$|^(USR1|USR2|TERM|INT|HUP)@\d{1,5}$")
 MALLOC_POLICIES = ("retain", "system")
 WAITS = ("auto", "spin", "block")
 WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
@@ -103,6 +105,7 @@ RULES = {
     "world.threads_per_worker": (int, _int_at_least(0, 1024)),
     "world.malloc": (str, _choice(MALLOC_POLICIES)),
     "world.wait": (str, _choice(WAITS)),
+    "world.max_restarts": (int, _int_at_least(0, 100)),
     "launcher": (str, _choice(LAUNCHERS)),
     "optim.name": (str, _choice(OPTIMIZERS)),
     "optim.batch_per_worker": (int, _int_at_least(1, 1_000_000)),
@@ -119,6 +122,7 @@ RULES = {
     "checkpoint.keep_last": (int, _int_at_least(1, 1000)),
     "checkpoint.keep_best": (int, _int_at_least(0, 1000)),
     "checkpoint.resume": (bool, None),
+    "checkpoint.on_signal": (bool, None),
     "slurm.partition": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
     "slurm.account": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
     "slurm.reservation": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
@@ -126,9 +130,15 @@ RULES = {
     "slurm.gpus_per_node": (int, _int_at_least(0, 64)),
     "slurm.cpus_per_task": (int, _int_at_least(1, 1024)),
     "slurm.mem": (str, _regex(_MEM, "empty or a size like 4G, 500M")),
+    "slurm.signal": (str, _regex(SIGNALS, "empty or SIG@SECONDS with SIG one of USR1, USR2, TERM, INT, HUP, e.g. USR1@60")),
+    "slurm.requeue": (bool, None),
     "fault.kind": (str, _choice(FAULT_KINDS)),
-    "fault.rank": (int, _int_at_least(0)),
+    "fault.rank": (int, _int_at_least(-1)),
     "fault.step": (int, _int_at_least(0)),
+    "fault.node": (int, _int_at_least(-1)),
+    "fault.slow_s": (float, _bounded_float(0.0, 3600.0)),
+    "fault.detect_timeout_s": (float, _bounded_float(1.0, 86_400.0)),
+    "fault.recovery": (str, _choice(RECOVERIES)),
     "fsdp.sharding": (str, _choice(SHARDINGS)),
     "fsdp.reshard_after_forward": (bool, None),
     "steps": (int, _int_at_least(1, 10_000_000)),
@@ -224,6 +234,7 @@ def _cross_checks(spec) -> None:
     if spec.model.name == "transformer" and spec.data.source == "heat" and spec.data.size % 4:
         raise SpecError("data.size", f"got {spec.data.size}; the transformer cuts 4x4 patches, so it must be a "
                                      "multiple of 4")
+    _resilience_checks(spec)
     if spec.fault.kind != "none" and spec.fault.rank >= spec.world_size:
         raise SpecError("fault.rank", f"got {spec.fault.rank}, but the run has {spec.world_size} ranks (0.."
                                       f"{spec.world_size - 1})")
@@ -243,6 +254,28 @@ def _cross_checks(spec) -> None:
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")
+
+
+def _resilience_checks(spec) -> None:
+    """Faults, preemption and recovery fields that only make sense together."""
+    f = spec.fault
+    if f.kind != "none" and f.rank == -1 and f.node == -1:
+        raise SpecError("fault.rank", "got -1 (every rank of a node) but fault.node is -1; name the node to lose "
+                                      "with fault.node, or pick one rank")
+    if f.node >= spec.world.nodes:
+        raise SpecError("fault.node", f"got {f.node}, but the run has {spec.world.nodes} node(s) (0.."
+                                      f"{spec.world.nodes - 1}); use -1 for any node")
+    if f.recovery == "forward" and (spec.strategy != "ddp" or spec.launcher != "local"):
+        raise SpecError("fault.recovery", f"got 'forward' with strategy {spec.strategy!r} and launcher "
+                                          f"{spec.launcher!r}; forward recovery re-forms a torch.distributed group "
+                                          "of ranks on this machine: use strategy=ddp, launcher=local")
+    if spec.world.max_restarts and spec.launcher != "torchrun":
+        raise SpecError("world.max_restarts", f"got {spec.world.max_restarts} with launcher {spec.launcher!r}; "
+                                              "only torchrun restarts workers: set launcher=torchrun or max_restarts=0")
+    if (spec.slurm.signal or spec.slurm.requeue) and not spec.checkpoint.on_signal:
+        raise SpecError("slurm.signal" if spec.slurm.signal else "slurm.requeue",
+                        "needs checkpoint.on_signal=true: without an emergency checkpoint a signalled or requeued "
+                        "job loses the work since its last checkpoint")
 
 
 def _fsdp_checks(spec) -> None:

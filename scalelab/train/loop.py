@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -21,10 +20,12 @@ from ..data.batches import resumable_batches
 from ..data.loader import build_eval_set
 from ..data.stored import training_dataset
 from ..dist import threads_per_rank
+from .faults import maybe_inject
 from .hostmem import apply_malloc_policy
 from .memory import CommCounter, rss_peak_bytes, state_bytes
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
+from .preempt import Preemption
 from .strategies import build_strategy, pick_device
 
 
@@ -76,8 +77,9 @@ def train(spec, info, events) -> dict:
                 parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy)
 
     loss_value = float("nan")
+    preemption = Preemption(spec.checkpoint.on_signal)  # SIGTERM/SIGUSR1 -> emergency checkpoint, clean exit
     for step in range(start_step, total_steps):
-        _maybe_inject_fault(spec.fault, info.rank, step)
+        maybe_inject(spec.fault, info.rank, step, events)
         lr = lr_at(step, peak_lr, spec.optim.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -111,9 +113,13 @@ def train(spec, info, events) -> dict:
             events.emit("step", step=done, loss=loss_value, lr=lr, samples=batch * accum, step_s=step_s,
                         data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
                         samples_per_s=batch * accum / step_s)
-        if spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps:
+        saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps
+        if saved:
             _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)
         _report_flushes(checkpointer.completed(), events)
+        if done < total_steps and preemption.agreed(strategy):  # every rank votes: all stop after the same step
+            return _preempted(checkpointer, strategy, raw_model, optimizer, done, loss_value, events,
+                              preemption.signal, already_saved=saved)
 
     _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
     final_loss = strategy.mean(loss_value)
@@ -147,6 +153,19 @@ def _checkpoint(checkpointer, strategy, model, optimizer, step, loss, events):
                                  "blocked_s": time.perf_counter() - t0})
 
 
+def _preempted(checkpointer, strategy, model, optimizer, step, loss, events, signal_name, already_saved) -> dict:
+    """Emergency checkpoint after `step` (unless one was just taken), wait until it is on disk, leave cleanly."""
+    t0 = time.perf_counter()
+    if not already_saved:
+        _checkpoint(checkpointer, strategy, model, optimizer, step, loss, events)
+    _report_flushes(checkpointer.close(), events)  # an asynchronous write must be complete before we exit
+    strategy.barrier()
+    fields = dict(step=step, signal=signal_name or "peer", emergency_s=time.perf_counter() - t0)
+    events.emit("preempted", **fields)
+    strategy.shutdown()
+    return {"preempted": True, **fields}
+
+
 def _report_flushes(done: list[dict], events) -> None:
     """One event per checkpoint that became complete on disk (for async modes, long after its save call)."""
     for d in done:
@@ -163,17 +182,3 @@ def _evaluate(model, spec, info, device, autocast, strategy) -> float:
         correct = (model(x).argmax(dim=1) == y).float().mean().item() if len(y) else 0.0
     model.train()
     return strategy.mean(correct)
-
-
-def _maybe_inject_fault(fault, rank: int, step: int) -> None:
-    """The spec's injected fault, for fault-tolerance lessons and the launcher tests."""
-    if fault.kind == "none" or fault.rank != rank or fault.step != step:
-        return
-    if fault.kind == "raise":
-        raise RuntimeError(f"injected fault: rank {rank} raised at step {step}")
-    if fault.kind == "exit":
-        os._exit(3)
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    while True:  # hang: stop answering, like a rank stuck on a dead file system
-        time.sleep(3600)

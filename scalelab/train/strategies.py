@@ -85,7 +85,7 @@ class DDPStrategy:
             os.environ.setdefault("MASTER_PORT", "29500")
             set_socket_interface()  # across nodes: the link towards MASTER_ADDR, found on this rank's own node
             dist.init_process_group(self.backend, rank=self.info.rank, world_size=self.info.world_size,
-                                    timeout=timedelta(seconds=120))
+                                    timeout=timedelta(seconds=self.spec.fault.detect_timeout_s))
 
     def wrap(self, model, optimizer):
         """DDP-wrap the model (broadcasts rank 0's parameters); the optimizer is unchanged."""
