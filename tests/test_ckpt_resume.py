@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scalelab.ckpt import CheckpointError, load_checkpoint, read_manifest
-from scalelab.errors import RunFailed
+from scalelab.errors import RunTimeout, RunFailed
 from scalelab.launch import launch
 
 from helpers import final_params, loss_curve, tiny
@@ -124,3 +124,17 @@ def test_time_slices_finish_on_a_busy_machine_by_widening_a_slice_that_made_no_p
     assert attempts[-1]["status"] == "succeeded" and attempts[-1]["last_step"] == 30
     assert attempts[0]["last_step"] is None and attempts[1]["limit_s"] == 1.0  # no progress: the slice doubled
     assert len(attempts) >= 2
+
+
+def test_time_slices_count_an_attempt_lost_at_start_up_and_name_the_failure_when_every_one_is(tmp_path):
+    # A rank that fails before its first step is a lost attempt (retried, the slice doubled); a start that always
+    # fails (here: resuming from a corrupted checkpoint) ends in RunTimeout naming the failure, not in a loop.
+    from scalelab import run_in_time_slices
+    launch(tiny(tmp_path, "lost", workers=1, **{"steps": 6, "checkpoint.every_steps": 5})).wait(timeout=120)
+    path = tmp_path / "lost" / "checkpoints" / "step-00000005.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    spec = tiny(tmp_path, "lost", workers=1, **{"steps": 12, "checkpoint.every_steps": 5, "checkpoint.resume": True})
+    with pytest.raises(RunTimeout, match=r"made no progress in 2 attempts.*the last one failed: .*is corrupted"):
+        run_in_time_slices(spec, limit_s=60, max_attempts=2)

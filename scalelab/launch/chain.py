@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cluster.slurm import job_active, job_fields, slurm_command, slurm_env
-from ..errors import LaunchError, RunTimeout
+from ..errors import LaunchError, RunFailed, RunTimeout
 
 
 
@@ -93,7 +93,8 @@ def submit_chain(spec, jobs: int = 2, time_limits: list[str] | None = None, env:
 def run_in_time_slices(spec, limit_s: float, max_attempts: int = 5) -> list[dict]:
     """Train `spec` with the local launcher in attempts of at most `limit_s` seconds each, every attempt
     resuming from the newest complete checkpoint, until one finishes. Returns one dict per attempt:
-    status (succeeded | stopped), start_step, resumed_from, last_step, elapsed_s, limit_s.
+    status (succeeded | stopped | failed: a rank failed before its first step, as an attempt lost at start-up),
+    start_step, resumed_from, last_step, elapsed_s, limit_s (and error, for a failed one).
 
     The slice adapts to the machine in the same run: an attempt that gets no further than the last one (on a busy
     machine start-up alone can take the whole slice) doubles the slice for the next, and only `max_attempts`
@@ -106,19 +107,28 @@ def run_in_time_slices(spec, limit_s: float, max_attempts: int = 5) -> list[dict
         t0 = time.monotonic()
         run = launch(spec)
         spec = run.spec  # output_dir resolved by the first launch: later attempts reuse it
+        error = None
         try:
             run.wait(timeout=limit)
             status = "succeeded"
         except RunTimeout:
             run.stop()  # what a scheduler does at the time limit
             status = "stopped"
+        except RunFailed as e:
+            # A rank that fails before its first step (on a busy machine: a port still held by the stopped attempt,
+            # a start-up past a timeout) is a lost attempt, as on a cluster; one that fails while training is a bug.
+            if any(ev["type"] == "step" for ev in run.events()):
+                raise
+            run.stop()
+            status, error = "failed", str(e)
         events = run.events()
         start = next((e for e in events if e["type"] == "start" and e["rank"] == 0), {})
         steps = [e["step"] for e in events if e["type"] == "step" and e["rank"] == 0]
         last = max(steps, default=None)
         attempts.append({"status": status, "start_step": start.get("start_step"),
                          "resumed_from": start.get("resumed_from"), "last_step": last,
-                         "elapsed_s": time.monotonic() - t0, "run_dir": str(run.run_dir), "limit_s": limit})
+                         "elapsed_s": time.monotonic() - t0, "run_dir": str(run.run_dir), "limit_s": limit,
+                         **({"error": error} if error else {})})
         if status == "succeeded":
             return attempts
         if last is not None and last > reached:
@@ -126,8 +136,9 @@ def run_in_time_slices(spec, limit_s: float, max_attempts: int = 5) -> list[dict
         else:
             stalled, limit = stalled + 1, limit * 2
             if stalled >= max_attempts:
+                why = f"; the last one failed: {error}" if error else ""
                 raise RunTimeout(f"{spec.name} made no progress in {max_attempts} attempts in a row (the last "
-                                 f"allowed {limit / 2:g} s); raise limit_s or checkpoint more often")
+                                 f"allowed {limit / 2:g} s); raise limit_s or checkpoint more often{why}")
 
 
 __all__ = ["SlurmChain", "submit_chain", "run_in_time_slices"]
