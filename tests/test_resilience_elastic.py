@@ -39,3 +39,24 @@ def test_torchrun_restarts_after_a_killed_worker_and_ends_like_an_uninterrupted_
     mine, theirs = final_params(run.run_dir), final_params(reference.run_dir)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
     assert processes_of(run.run_dir) == []
+
+
+def test_forward_recovery_finishes_with_the_survivors_from_memory(tmp_path):
+    run = launch(tiny(tmp_path, "forward", workers=3, steps=STEPS, **{
+        "fault.kind": "kill", "fault.rank": 2, "fault.step": 12, "fault.recovery": "forward"}))
+    try:
+        summary = run.wait(timeout=240)
+    finally:
+        run.stop()
+    assert summary["status"] == "succeeded", summary.get("error")
+    events = _events(run.run_dir)
+    recovered = [e for e in events if e["type"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["lost"] == [2] and recovered[0]["world_size"] == 2
+    assert recovered[0]["lr_factor"] == 2 / 3
+    assert [e["start_step"] for e in events if e["type"] == "start"] == [0]  # no restart, no rollback
+    steps = [e["step"] for e in events if e["type"] == "step"]
+    assert steps == list(range(1, STEPS + 1))  # every step done exactly once, the failed one included
+    ends = {e["rank"] for r in (0, 1, 2) for e in _events(run.run_dir, r) if e["type"] == "end"}
+    assert ends == {0, 1}
+    assert run.lost_ranks() == {2}
+    assert processes_of(run.run_dir) == []

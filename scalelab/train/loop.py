@@ -21,6 +21,7 @@ from ..data.loader import build_eval_set
 from ..data.stored import training_dataset
 from ..dist import threads_per_rank
 from .faults import maybe_inject
+from .forward import ForwardRecoveryDDP
 from .hostmem import apply_malloc_policy
 from .memory import CommCounter, rss_peak_bytes, state_bytes
 from .models import build_model
@@ -36,7 +37,8 @@ def train(spec, info, events) -> dict:
     threads = threads_per_rank(spec, info.local_size)
     torch.set_num_threads(threads)
     device = pick_device(spec, info.local_rank)
-    strategy = build_strategy(spec, info, device)
+    # forward recovery: survivors of a lost rank re-form the group and go on from memory (train/forward.py)
+    strategy = (ForwardRecoveryDDP if spec.fault.recovery == "forward" else build_strategy)(spec, info, device)
     strategy.setup()
     run_dir = Path(spec.output_dir)
 
