@@ -34,6 +34,9 @@ class ModelSpec:
     """Channels (cnn) or hidden units (mlp, transformer)."""
     depth: int = 2
     """Conv blocks (cnn), hidden layers (mlp) or encoder layers (transformer)."""
+    activation_checkpointing: bool = False
+    """transformer: keep only each encoder layer's input for backward and recompute the rest during backward
+    (less activation memory, about one more forward of compute)."""
 
 
 @dataclass

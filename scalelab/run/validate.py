@@ -84,6 +84,7 @@ RULES = {
     "model.name": (str, _choice(MODELS)),
     "model.width": (int, _int_at_least(1, 4096)),
     "model.depth": (int, _int_at_least(1, 64)),
+    "model.activation_checkpointing": (bool, None),
     "data.source": (str, _choice(DATA_SOURCES)),
     "data.path": (str, None),
     "data.samples": (int, _int_at_least(8, 10_000_000)),
@@ -249,6 +250,10 @@ def _cross_checks(spec) -> None:
         raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
                                        "system: set data.format to files, shards or hdf5")
     _fsdp_checks(spec)
+    if spec.model.activation_checkpointing and spec.model.name != "transformer":
+        raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers, "
+                                                          f"not model.name={spec.model.name!r}: set model.name="
+                                                          "transformer or activation_checkpointing=false")
     if spec.checkpoint.mode == "sharded" and spec.strategy not in ("ddp", "fsdp"):
         raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")

@@ -23,7 +23,7 @@ from ..dist import threads_per_rank
 from .faults import maybe_inject
 from .forward import ForwardRecoveryDDP
 from .hostmem import apply_malloc_policy
-from .memory import CommCounter, rss_peak_bytes, state_bytes
+from .memory import CommCounter, SavedTensorBytes, rss_peak_bytes, state_bytes
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
 from .preempt import Preemption
@@ -89,6 +89,7 @@ def train(spec, info, events) -> dict:
         data_s, loss_sum = 0.0, torch.zeros((), device=device)
         # the first step's collectives are counted (every step issues the same ones); later steps run unobserved
         counter = CommCounter() if step == start_step else contextlib.nullcontext()
+        activations = SavedTensorBytes()  # the activations one micro-batch's forward keeps for backward (first step)
         counter.__enter__()
         for micro in range(accum):
             t_data = time.perf_counter()
@@ -96,7 +97,7 @@ def train(spec, info, events) -> dict:
             data_s += time.perf_counter() - t_data
             sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
             with sync:
-                with autocast:
+                with autocast, activations if step == start_step and micro == 0 else contextlib.nullcontext():
                     loss = F.cross_entropy(model(x).float(), y) / accum
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
@@ -104,7 +105,7 @@ def train(spec, info, events) -> dict:
         counter.__exit__(None, None, None)
         if step == start_step:  # what this rank holds once every state exists: gradients are freed next
             events.emit("memory", step=step + 1, **state_bytes(raw_model, optimizer), rss_peak_bytes=rss_peak_bytes(),
-                        comm=counter.summary())
+                        activation_bytes=activations.bytes, comm=counter.summary())
         optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
         loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
         step_s = time.perf_counter() - t0

@@ -83,3 +83,39 @@ class CommCounter(TorchDispatchMode):
     def summary(self) -> dict:
         """A plain dict, for an event."""
         return {k: dict(v) for k, v in sorted(self.by_kind.items())}
+
+
+class SavedTensorBytes:
+    """`with SavedTensorBytes() as saved:` a forward pass; then `saved.bytes` = the activations autograd keeps for
+    backward (each tensor once; parameters left out: they are state, counted by `state_bytes`). A block under
+    activation checkpointing keeps only its input, which `models.checkpointed` reports with `add`."""
+
+    active: "SavedTensorBytes | None" = None
+
+    def __init__(self):
+        self.bytes = 0
+
+    def __enter__(self):
+        from torch.autograd.graph import saved_tensors_hooks
+        self.bytes, self._seen = 0, set()
+        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        SavedTensorBytes.active = self
+        return self
+
+    def __exit__(self, *exc):
+        SavedTensorBytes.active = None
+        return self._hooks.__exit__(*exc)
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count `t` once (by storage address and size)."""
+        if isinstance(t, torch.nn.Parameter) or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += local_bytes(t)
+
+    def _pack(self, t):
+        self.add(t)
+        return t

@@ -75,4 +75,25 @@ MODELS = {"cnn": SmallCNN, "mlp": MLP, "transformer": PatchTransformer}
 def build_model(model_spec, in_channels: int, size: int, classes: int, seed: int) -> nn.Module:
     """The model the spec names, initialised from `seed` (identical on every rank before any broadcast)."""
     torch.manual_seed(seed)
-    return MODELS[model_spec.name](in_channels, size, classes, width=model_spec.width, depth=model_spec.depth)
+    model = MODELS[model_spec.name](in_channels, size, classes, width=model_spec.width, depth=model_spec.depth)
+    if model_spec.activation_checkpointing:
+        for layer in model.encoder.layers:
+            checkpointed(layer)
+    return model
+
+
+def checkpointed(module: nn.Module) -> nn.Module:
+    """Activation checkpointing of `module`, in place: its forward keeps only its input for backward and runs
+    again during backward to rebuild the rest (compute traded for activation memory). Parameter names stay."""
+    from torch.utils.checkpoint import checkpoint
+    from .memory import SavedTensorBytes
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if SavedTensorBytes.active is not None and torch.is_grad_enabled():
+            for a in args:
+                SavedTensorBytes.active.add(a)  # the one tensor a checkpointed block keeps
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    return module
