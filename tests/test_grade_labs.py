@@ -73,6 +73,11 @@ def test_lab_releases_cleanly_and_has_its_grading_files(lab, tmp_path):
             if c["cell_type"] == "code"]
     assert any("SelfCheck(" in src and ".check()" in src for src in code), \
         f"{lab.name} needs a SelfCheck cell near its end (students check their work; papermill shows the result)"
+    from scalelab.course.lab import parameter_defaults
+    known = set(parameter_defaults(lab / "lab.ipynb"))
+    for name in ("ci", "laptop", *settings.profiles):
+        unknown = set(settings.profile(name)) - known
+        assert not unknown, f"{lab.name}: profile {name!r} sets {sorted(unknown)}, which the parameters cell lacks"
 
 
 @pytest.mark.slow
@@ -93,12 +98,19 @@ def test_reference_grades_full_marks_and_student_copy_does_not(lab, tmp_path):
     # Under load, as a busy grading day has it: -j 2, while another batch grades beside it. Labs that measure
     # speed-ups must still give an honest reference full marks (their checks compare within one run).
     with OtherBatch(tmp_path / "other") as other:
-        batch = grade(lab, [subs / n for n in names], tmp_path / "out", GradeOptions(jobs=2))
+        # continue_on_error=False: the notebook goes on only where the student copy's tags let Run All go on
+        batch = grade(lab, [subs / n for n in names], tmp_path / "out", GradeOptions(jobs=2, continue_on_error=False))
     assert other.errors == [] and other.rounds + other.thread.is_alive() >= 1, other.errors
     by = {r.student: r for r in batch.results}
     assert by["reference"].max_score > 0, f"{lab.name} has no checks with points"
     assert by["reference"].percent == 100, _why(by["reference"])
     assert by["student_copy"].percent < 100, _why(by["student_copy"])
+    # Run All on a fresh student copy goes past every unsolved exercise to the lab's last cell, the SelfCheck
+    import json
+    cells = json.loads((tmp_path / "out" / by["student_copy"].notebook).read_text())["cells"]
+    [check] = [c for c in cells if "self-check" in c.get("metadata", {}).get("tags", [])]
+    assert check.get("execution_count") and not any(o.get("output_type") == "error" for o in check["outputs"]), \
+        f"{lab.name}: Run All of the student copy did not reach and run the SelfCheck cell"
     if legacy.is_dir():
         assert by["made_before_the_move"].percent == 100, _why(by["made_before_the_move"])
 
