@@ -331,3 +331,70 @@ def test_a_notebook_inside_a_two_node_allocation_launches_steps_on_both_nodes(no
     records = read_records(nbformat.read(tmp_path / "out.ipynb", as_version=4))
     assert records["launcher"] == "SrunRun" and records["hosts"] == ["node1", "node2"]
     assert not (tmp_path / "run" / "job.sh").exists()  # steps of the notebook's allocation, no new job
+
+
+# -- the hub on the namespace cluster: a 2-node profile and a GPU profile -----------------------------------------
+
+@pytest.fixture(scope="module")
+def nodes_hub(tmp_path_factory, nodes_cluster):
+    """A real hub in slurm mode on the 2-node cluster: it listens on the bridge (10.213.0.1) so servers on the
+    nodes reach it, and reaches each server by the node's NodeAddr."""
+    from scalelab.testing.hub import HubRunner, slurm_settings
+    work = tmp_path_factory.mktemp("hub-nodes")
+    (work / "labs" / "01_intro").mkdir(parents=True)
+    (work / "labs" / "01_intro" / "lab.ipynb").write_text(
+        '{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
+    profiles = [{"name": "nodes2", "display_name": "2 nodes", "partition": "cpu", "nodes": 2, "tasks_per_node": 1,
+                 "cpus_per_task": 1, "memory": "1G", "walltime": "0:30:00"},
+                {"name": "gpu1", "display_name": "1 GPU", "partition": "gpu", "gpus_per_node": 1,
+                 "cpus_per_task": 1, "memory": "1G", "walltime": "0:30:00"}]
+    settings = slurm_settings(nodes_cluster, "", profiles, server_ip="0.0.0.0", node_address="")
+    settings["hub"] = {"hub_ip": netns.host_addr()}
+    runner = HubRunner(work, mode="slurm", settings=settings)
+    runner.start()
+    yield runner, work
+    runner.cleanup()
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+@pytest.mark.hub
+@pytest.mark.slow
+def test_hub_two_node_profile_serves_on_node1_and_a_cell_there_trains_across_both_nodes(nodes_hub):
+    hub, work = nodes_hub
+    alice = hub.login("alice")
+    r = alice.spawn(options={"profile": "nodes2"})
+    assert r.status_code in (201, 202), r.text
+    alice.wait_ready(timeout=90)
+    [job] = [j for j in hub.jobs() if j["name"] == f"jupyter-{alice.name}"]
+    assert job["nodes"] == "2" and job["state"] == "RUNNING"
+    assert f"Job {job['id']} of {alice.name} serves at 10.213.0.11:" in hub.log_tail(200)  # JupyterLab on node1
+    out = alice.run_cell(
+        "import os\nfrom scalelab import launch, preset\n"
+        "run = launch(preset('tiny').with_overrides({'world.nodes': 2, 'world.workers_per_node': 1, "
+        f"'launcher': 'slurm', 'output_dir': {str(work / 'alice-run')!r}}}))\n"
+        "summary = run.wait(timeout=150)\n"
+        "hosts = sorted(e['host'] for e in run.events() if e['type'] == 'start')\n"
+        "print('RESULT', os.environ['SLURM_JOB_ID'], type(run).__name__, ','.join(hosts), summary['status'])")
+    assert f"RESULT {job['id']} SrunRun node1,node2 succeeded" in out  # steps of the server's own allocation
+    alice.stop()
+    alice.wait_gone(timeout=60)
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+@pytest.mark.hub
+@pytest.mark.slow
+def test_hub_gpu_profile_spawns_on_the_gpu_partition_with_cuda_visible_devices(nodes_hub):
+    hub, _ = nodes_hub
+    bob = hub.login("bob")
+    r = bob.spawn(options={"profile": "gpu1"})
+    assert r.status_code in (201, 202), r.text
+    bob.wait_ready(timeout=90)
+    [job] = [j for j in hub.jobs() if j["name"] == f"jupyter-{bob.name}"]
+    assert job["partition"] == "gpu" and "gpu:1" in job["gres"]
+    out = bob.run_cell("import os, torch\nprint('CVD', os.environ.get('CUDA_VISIBLE_DEVICES'), "
+                       "torch.cuda.is_available())")
+    assert "CVD 0 False" in out  # bound by Slurm for real; a stand-in GPU, so compute falls back to the CPU
+    bob.stop()
+    bob.wait_gone(timeout=60)

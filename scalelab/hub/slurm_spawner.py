@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shlex
 import time
 from pathlib import Path
@@ -50,8 +51,8 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
     log_dir_template = Unicode("{home}/.scalelab/jobs", help="Job log folder; {home}, {username} filled in."
                                ).tag(config=True)
     bind_ip = Unicode("0.0.0.0", help="Address the server binds to on the compute node.").tag(config=True)
-    node_address = Unicode("", help="Address the hub reaches the node by; {host} is the node name ('' = it)."
-                           ).tag(config=True)
+    node_address = Unicode("", help="Address the hub reaches the node by; {host} is the node name ('' = the "
+                           "node's NodeAddr in Slurm, which is its name unless the site set an address).").tag(config=True)
     poll_min = Float(0.5, help="First interval between squeue calls while starting (s).").tag(config=True)
     poll_max = Float(5.0, help="Longest interval between squeue calls while starting (s).").tag(config=True)
     batch_template = Unicode(help="Path of the batch script template (jinja2).").tag(config=True)
@@ -235,6 +236,9 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
             self.log.warning("squeue failed for job %s (exit %s): %s; keeping the server", self.job_id, rc, err)
             return JobStatus.UNKNOWN
         self.job_status = out.splitlines()[-1] if out else "GONE||"
+        host = self._field(1)
+        if host and not self.node_address and host not in self._node_addrs():
+            self._node_addrs()[host] = await self._node_addr(host)
         # A COMPLETING job's server is on its way out: for the hub it has ended, like every state past it.
         phase = job_phase(self.job_status.split("|")[0])
         return {"running": JobStatus.RUNNING, "pending": JobStatus.PENDING, "held": JobStatus.UNKNOWN}.get(
@@ -252,7 +256,16 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
 
     def state_gethost(self):
         host = self._field(1)
-        return self.node_address.format(host=host) if self.node_address else host
+        return self.node_address.format(host=host) if self.node_address else self._node_addrs().get(host, host)
+
+    def _node_addrs(self) -> dict[str, str]:
+        return self.__dict__.setdefault("_addr_of_node", {})
+
+    async def _node_addr(self, host: str) -> str:
+        """The node's NodeAddr (`scontrol show node`): the hub may not resolve node names (namespace nodes)."""
+        rc, out, _ = await self._slurm([self._bin("scontrol"), "show", "node", "-o", host], timeout=30)
+        m = re.search(r"\bNodeAddr=(\S+)", out) if rc == 0 else None
+        return m.group(1) if m else host
 
     async def cancel_batch_job(self):
         """scancel the job (errors are logged: the job may already be gone)."""

@@ -55,6 +55,9 @@ def step_env(env: dict | None = None) -> dict:
                 (key.startswith(DISTRIBUTED_PREFIXES) and not key.startswith("SLURM_")):
             del env[key]
     env["SLURM_OVERLAP"] = "1"  # steps may share CPUs with the step that runs JupyterLab (srun reads this)
+    # a job submitted with --export=A,B (the hub's) hands that list to every srun inside it: the ranks would
+    # then miss MASTER_ADDR and the rest; the steps get the whole environment given here
+    env["SLURM_EXPORT_ENV"] = "ALL"
     return env
 
 
@@ -81,7 +84,8 @@ def step_command(spec, run_dir, python: str | None = None) -> list[str]:
             cmd += ["-x", var]
         return cmd + worker
     return [require_tool("srun", LaunchError), f"--nodes={w.nodes}", f"--ntasks={spec.world_size}",
-            f"--ntasks-per-node={w.workers_per_node}", "--overlap", "--kill-on-bad-exit=1", "--cpu-bind=none",
+            f"--ntasks-per-node={w.workers_per_node}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1",
+            "--cpu-bind=none",
             f"--job-name=scalelab-{spec.name}", *worker]
 
 

@@ -67,6 +67,44 @@ class HubUser:
         """The server's model, or None when the hub lists no such server."""
         return self.model().get("servers", {}).get(server)
 
+    def run_cell(self, code: str, server: str = "", timeout: float = 240) -> str:
+        """Execute `code` in a new kernel of the user's server, as a notebook cell would (kernel REST API and its
+        websocket, through the proxy); returns the cell's output streams; AssertionError with the traceback when
+        the cell raises. The kernel is shut down afterwards."""
+        import uuid
+
+        import websocket  # websocket-client, a dependency of jupyter_server
+        base = f"/user/{self.name}/{server + '/' if server else ''}api/kernels"
+        auth = {"Authorization": f"token {self.token}"}
+        r = requests.post(f"{self.hub.url}{base}", headers=auth, json={}, timeout=60)
+        r.raise_for_status()
+        kernel = r.json()["id"]
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.hub.port}{base}/{kernel}/channels",
+                                         header=[f"Authorization: token {self.token}"], timeout=timeout)
+        try:
+            msg_id = uuid.uuid4().hex
+            ws.send(json.dumps({
+                "header": {"msg_id": msg_id, "username": self.name, "session": uuid.uuid4().hex,
+                           "msg_type": "execute_request", "version": "5.3"},
+                "parent_header": {}, "metadata": {}, "channel": "shell",
+                "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                            "allow_stdin": False, "stop_on_error": True}}))
+            out, deadline = [], time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                m = json.loads(ws.recv())
+                if m.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                if m["msg_type"] == "stream":
+                    out.append(m["content"]["text"])
+                elif m["msg_type"] == "error":
+                    raise AssertionError("the cell failed:\n" + "\n".join(m["content"]["traceback"])[-3000:])
+                elif m["msg_type"] == "execute_reply":
+                    return "".join(out)
+            raise AssertionError(f"the cell did not finish in {timeout:g} s; its output: {''.join(out)[-2000:]}")
+        finally:
+            ws.close()
+            requests.delete(f"{self.hub.url}{base}/{kernel}", headers=auth, timeout=30)
+
     def wait_ready(self, server: str = "", timeout: float = 120) -> float:
         """Seconds until the server is ready; HubError if the spawn fails or takes longer than `timeout`."""
         t0 = time.monotonic()
