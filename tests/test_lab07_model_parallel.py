@@ -43,6 +43,7 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert pipe["1f1b/8"]["measured_bubble"] < pipe["1f1b/1"]["measured_bubble"] == pytest.approx(0.5)
     assert pipe["gpipe/8"]["peak_in_flight"] == [8, 8] and pipe["1f1b/8"]["peak_in_flight"] == [2, 1]
     assert records["reshard"]["one_equal"] and records["reshard"]["two_equal"]
+    assert records["planner"]["fp32_zero3_bytes"] == runs["fsdp_full"]["memory"]["state_bytes"]
 
 
 def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
@@ -80,6 +81,9 @@ def _scale(r, factor):
     (lambda r: r["fsdp_runs"]["fsdp_grad_op"]["comm"]["all_gather"].update(bytes=1), "grad_op_gathers_once"),
     (lambda r: r["pipeline"]["gpipe/8"].update(peak_in_flight=[2, 1]), "pipeline_records_agree"),
     (lambda r: r["sizing"].update(gpus_for_70b=15, nodes_for_70b=2), "seventy_b_is_two_nodes"),
+    (lambda r: r["planner"]["layout"]["links"].update(tp="inter"), "a_feasible_3d_layout"),
+    (lambda r: r["planner"]["layout"].update(feasible=False, problems=["too big"]), "a_feasible_3d_layout"),
+    (lambda r: r["planner"].update(fp32_zero3_bytes=1.0), "planner_predicts_the_measured_state"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

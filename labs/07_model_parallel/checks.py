@@ -108,3 +108,12 @@ def seventy_b_sized(r):
     s = r["sizing"]
     assert s["gpus_for_70b"] == math.ceil(70e9 * 16 / 80e9), f"gpus_for_70b {s['gpus_for_70b']!r}"
     assert s["nodes_for_70b"] == math.ceil(s["gpus_for_70b"] / 8), f"nodes_for_70b {s['nodes_for_70b']!r}"
+
+
+@check(points=2, needs_run=True)
+def a_feasible_3d_layout(r):
+    """Exercise 6: the chosen dp x tp x pp uses all 64 GPUs, fits, and keeps tensor-parallel groups in a node."""
+    p = r["planner"]["layout"]
+    assert p["world"] == 64, f"dp x tp x pp = {p['world']}, the cluster has 64 GPUs"
+    assert p["links"]["tp"] == "intra", "tensor-parallel groups cross nodes: keep tp within a node's 8 GPUs"
+    assert p["feasible"], f"the layout does not work: {'; '.join(p['problems'])}"

@@ -59,3 +59,11 @@ def pipeline_records_agree(r):
 def seventy_b_is_two_nodes(r):
     """14 GPUs, 2 nodes: 1.12 TB of state over 80 GB devices."""
     assert r["sizing"]["gpus_for_70b"] == 14 and r["sizing"]["nodes_for_70b"] == 2
+
+
+@check(points=1, needs_run=True)
+def planner_predicts_the_measured_state(r):
+    """The planner's fp32 ZeRO-3 estimate is the FSDP run's measured state per rank."""
+    measured = r["fsdp_runs"]["fsdp_full"]["memory"]["state_bytes"]
+    assert math.isclose(r["planner"]["fp32_zero3_bytes"], measured, rel_tol=0.02), \
+        f"planner {r['planner']['fp32_zero3_bytes']!r}, measured {measured}"
