@@ -12,6 +12,7 @@ _WIDGETS = {
     "ScalingExplorer": "scaling_explorer",
     "PipelineView": "pipeline_view",
     "CheckpointTimeline": "checkpoint_timeline",
+    "FaultTimeline": "fault_timeline",
     "SelfCheck": "self_check",
     "ClusterStatus": "cluster_status",
     "ParallelismPlanner": "parallelism_planner",

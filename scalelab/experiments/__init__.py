@@ -18,6 +18,8 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `model_parallel` (lab 07) tensor parallelism by hand against the serial layers, pipeline bubble (GPipe,
                    1F1B), sharded checkpoints resharded 2 -> 1 -> 2 — run with `run_spmd`.
 - `planner`        (lab 07) dp x tp x pp on nodes x GPUs: memory, traffic, links (ParallelismPlanner's core).
+- `resilience`     (lab 08) faults and their detection, checkpoint cost and Young's interval against a simulated
+                   failure trace, a signal to one rank (preemption), recovery times read off a run's events.
 - `plots`          the labs' figures (matplotlib object API, PNG).
 
 Lab-only measurement code lives here and nowhere else: `scalelab.data` and `scalelab.ckpt` are the engine's.

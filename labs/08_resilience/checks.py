@@ -1,0 +1,74 @@
+"""Lab 08 public checks: what a student can self-check on the numbers the notebook recorded."""
+from scalelab.grade.checks import check
+
+
+@check(points=1, needs_run=True)
+def crash_is_named_at_once(r):
+    """The injected exception fails the run naming rank 1, within a few seconds of the fault."""
+    c = r["crash"]
+    assert c["failed_rank"] == 1, f"the crash run named rank {c['failed_rank']}, the fault was on rank 1"
+    assert "injected fault" in (c["error"] or ""), "the error does not carry the rank's own message"
+    assert c["detect_s"] < 30, f"the crash took {c['detect_s']:.1f} s to notice"
+
+
+@check(points=1, needs_run=True)
+def hang_is_noticed_after_the_timeout(r):
+    """A hang is noticed only once the waiting rank's collective times out."""
+    h, timeout = r["hang"], r["lab08_params"]["hang_timeout_s"]
+    assert h["status"] == "failed", f"the hang run ended {h['status']}"
+    assert h["detect_s"] >= 0.9 * timeout, f"noticed after {h['detect_s']:.1f} s, before the {timeout} s timeout"
+    assert h["detect_s"] > r["crash"]["detect_s"], "the hang was noticed sooner than the crash"
+
+
+@check(points=2, needs_run=True)
+def hung_rank_found(r):
+    """Exercise 1: suspect is the rank that hung."""
+    assert r["suspect"] == r["hang"]["fault_rank"], f"suspect {r['suspect']!r}; look for the rank with no error"
+
+
+@check(points=2, needs_run=True)
+def young_interval_computed(r):
+    """Exercise 2: young_s is sqrt(2 C M) for the measured C and the parameter M."""
+    want = (2 * r["ckpt_s"] * r["lab08_params"]["mtbf_s"]) ** 0.5
+    assert abs(r["young_s"] - want) <= 1e-9 * want, f"young_s {r['young_s']!r}, expected sqrt(2 C M)"
+
+
+@check(points=1, needs_run=True)
+def simulated_optimum_is_near_young(r):
+    """The interval that wasted least on the failure traces is within a factor 4 of Young's."""
+    ratio = r["sweep"]["best_interval_s"] / r["young_s"]
+    assert 0.25 <= ratio <= 4, f"the best interval is {ratio:.2g} x Young's"
+
+
+@check(points=1, needs_run=True)
+def preemption_saved_and_left_cleanly(r):
+    """The signalled run ended 'preempted' after one agreed step, and its relaunch resumed from that step."""
+    p = r["preempt"]
+    assert p["status"] == "preempted", f"the signalled run ended {p['status']}"
+    assert p["signal_rank0"] == "peer", "rank 0 should have stopped through the vote, not a signal of its own"
+    assert p["start_step"] == p["step"] > 0, f"resumed at {p['start_step']}, stopped after {p['step']}"
+
+
+@check(points=2, needs_run=True)
+def preempted_resume_is_exact(r):
+    """Exercise 3: the preempted and resumed run ends with exactly the uninterrupted run's parameters."""
+    assert r["max_param_diff"] == 0.0, f"parameters differ by up to {r['max_param_diff']}"
+
+
+@check(points=1, needs_run=True)
+def both_recoveries_finish(r):
+    """Elastic restart resumed from a checkpoint and matches the reference; forward recovery went on with 1 rank."""
+    e, f = r["elastic"], r["forward"]
+    assert e["status"] == "succeeded" and f["status"] == "succeeded", (e["status"], f["status"])
+    assert len(e["start_steps"]) == 2 and e["start_steps"][1] > 0, f"elastic starts {e['start_steps']}"
+    assert e["identical"] is True, "the elastic run's parameters differ from the uninterrupted run's"
+    assert f["lost"] == [1] and f["recovery"]["steps_redone"] == 0, f"forward: lost {f['lost']}"
+
+
+@check(points=2, needs_run=True)
+def recovery_compared(r):
+    """Exercise 4: forward recovery trains again sooner; the restart redid the steps since its checkpoint."""
+    e, f = r["elastic"]["recovery"], r["forward"]["recovery"]
+    assert abs(r["recovery_speedup"] - e["training_again_s"] / f["training_again_s"]) < 1e-9 * r["recovery_speedup"]
+    assert r["recovery_speedup"] > 1, "forward recovery was not faster than the restart"
+    assert r["redone_steps"] == e["steps_redone"] > 0, f"redone_steps {r['redone_steps']!r}"

@@ -1,0 +1,74 @@
+"""Lab 08 (resilience) runs under papermill at its grading parameters and grades 100 %; its student copy stops at
+the first exercise and grades far below; a wrong or forged record fails the check that guards it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scalelab.course.execute import execute_notebook
+
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
+                      student_copy)
+
+LAB = ROOT / "labs" / "08_resilience"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference notebook executed once with lab.yaml's grading parameters, with a process burning a core
+    beside it the whole time: (records, seconds)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        return run_reference(LAB, tmp_path_factory.mktemp("lab08"), cell_timeout=150, total_timeout=300,
+                             runs_in_out=True)
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_reference_solution_grades_full_marks_within_budget(reference):
+    assert_full_marks_within(LAB, reference, 280)
+
+
+def test_reference_numbers_tell_the_lab_story(reference):
+    r, _ = reference
+    assert r["crash"]["failed_rank"] == 1 and r["hang"]["failed_rank"] == 0  # a hang is blamed on the waiter
+    assert r["hang"]["detect_s"] >= r["lab08_params"]["hang_timeout_s"] * 0.9 > r["crash"]["detect_s"]
+    assert r["preempt"]["status"] == "preempted" and r["max_param_diff"] == 0.0
+    assert r["elastic"]["identical"] is True and r["elastic"]["start_steps"] == [0, 10]
+    assert r["forward"]["world_size"] == 1 and r["forward"]["lr_factor"] == 0.5
+    assert r["recovery_speedup"] > 5  # new processes vs re-forming a group in place
+
+
+def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
+    copy_dir = student_copy(LAB, tmp_path)
+    assert not (copy_dir / "hidden_checks.py").exists()
+    params = {**grading_parameters(LAB), "out_dir": str(tmp_path / "runs")}
+    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
+                              cell_timeout=150, total_timeout=300)
+    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
+    assert "hang" in result.records and "suspect" not in result.records
+    points, most, _ = grade(LAB, result.records)
+    assert points < 0.2 * most
+
+
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r.update(suspect=0), "hung_rank_found"),
+    (lambda r: r["hang"].update(detect_s=0.01), "hang_is_noticed_after_the_timeout"),
+    (lambda r: r.update(young_s=r["young_s"] * 1.1), "young_interval_computed"),
+    (lambda r: r.update(ckpt_s=r["ckpt_s"] / 3, young_s=(2 * r["ckpt_s"] / 3 * r["lab08_params"]["mtbf_s"]) ** .5),
+     "checkpoint_cost_is_the_runs"),
+    (lambda r: r["sweep"]["points"][0].update(waste_s=0.0), "sweep_follows_from_its_inputs"),
+    (lambda r: r.update(max_param_diff=1e-7), "preempted_resume_is_exact"),
+    (lambda r: r["preempt"].update(step=r["preempt"]["step"] + 1, start_step=r["preempt"]["step"] + 1),
+     "preempted_run_is_the_engine_run"),
+    (lambda r: r["elastic"].update(run_dir=r["forward"]["run_dir"]), "recoveries_are_the_engine_runs"),
+    (lambda r: r.update(recovery_speedup=r["recovery_speedup"] * 2), "recovery_compared"),
+    (lambda r: r.update(redone_steps=0), "recovery_compared"),
+    (lambda r: r["hang"].update(errors={"1": "RuntimeError"}), "fault_runs_named_the_right_ranks"),
+])
+def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
+    assert_check_notices(LAB, reference[0], forge, check_name)
