@@ -78,7 +78,8 @@ _OUT_OF_RANGE = {
     "fault.kind": "meteor", "fault.rank": -2, "fault.step": -1, "fault.node": -2, "fault.slow_s": -1.0,
     "fault.detect_timeout_s": 0.5, "fault.recovery": "pray", "world.max_restarts": -1, "slurm.signal": "KILL",
     "steps": 0, "epochs": -1, "seed": -5,
-    "log_every": 0, "fsdp.sharding": "zero9",
+    "log_every": 0, "fsdp.sharding": "zero9", "pipeline.schedule": "zigzag",
+    "pipeline.micro_batches": 0,
 }
 
 

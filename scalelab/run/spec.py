@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import SpecError
 from .validate import (validate_spec, MODELS, DATA_SOURCES, STRATEGIES, BACKENDS, LAUNCHERS, OPTIMIZERS,
                        LR_SCALING, PRECISIONS, CHECKPOINT_MODES, DATA_FORMATS, DEVICES, FAULT_KINDS, MALLOC_POLICIES, WAITS,
-                       SHARDINGS)  # noqa: F401 - re-exported
+                       SHARDINGS, SCHEDULES)  # noqa: F401 - re-exported
 
 
 
@@ -175,6 +175,16 @@ class FSDPSpec:
 
 
 @dataclass
+class PipelineSpec:
+    """How strategy pp runs the stages: one stage per rank, every stage sees the whole batch."""
+
+    schedule: str = "1f1b"
+    """gpipe (every forward, then every backward) or 1f1b (one forward, one backward once the pipe is full)."""
+    micro_batches: int = 4
+    """Micro-batches each batch is cut into; the bubble is (stages - 1) / (micro_batches + stages - 1)."""
+
+
+@dataclass
 class SlurmSpec:
     """Batch options used by the slurm launcher (students' values are bounded by the hub, not here)."""
 
@@ -210,7 +220,9 @@ class RunSpec:
     data: DataSpec = field(default_factory=DataSpec)
     """The data and its loader."""
     strategy: str = "ddp"
-    """ddp (torch DistributedDataParallel), horovod, or fsdp (FSDP2: state sharded over the ranks, see fsdp)."""
+    """ddp (torch DistributedDataParallel), horovod, fsdp (FSDP2: state sharded over the ranks, see fsdp) or pp
+    (the mlp cut into one pipeline stage per rank, see pipeline) or tp (the mlp's hidden layers split column/row
+    over the ranks)."""
     backend: str = "auto"
     """auto (nccl with CUDA, gloo without), gloo, nccl, or mpi (Horovod's MPI controller)."""
     device: str = "auto"
@@ -231,6 +243,8 @@ class RunSpec:
     """An injected fault (off by default)."""
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     """Sharding of strategy fsdp (ignored by the others)."""
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
+    """Schedule and micro-batches of strategy pp (ignored by the others)."""
     steps: int = 20
     """Optimizer steps to run (ignored when epochs > 0)."""
     epochs: int = 0
@@ -287,8 +301,10 @@ class RunSpec:
 
     @property
     def global_batch(self) -> int:
-        """Samples per optimizer step over all ranks."""
-        return self.optim.batch_per_worker * self.optim.grad_accum * self.world_size
+        """Samples per optimizer step over all ranks (pipeline stages and tensor-parallel
+        ranks share one batch: dp = 1)."""
+        data_parallel = 1 if self.strategy in ("pp", "tp") else self.world_size
+        return self.optim.batch_per_worker * self.optim.grad_accum * data_parallel
 
     def validate(self) -> "RunSpec":
         """Check every field; raise SpecError naming the first bad one. Returns self."""
@@ -298,7 +314,8 @@ class RunSpec:
 
 # -- dict / file round trip -----------------------------------------------------------------------
 _NESTED = {"model": ModelSpec, "data": DataSpec, "world": WorldSpec, "optim": OptimSpec,
-           "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec, "fsdp": FSDPSpec}
+           "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec, "fsdp": FSDPSpec,
+           "pipeline": PipelineSpec}
 
 
 def _build(cls, data: Any, prefix: str):

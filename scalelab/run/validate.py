@@ -11,7 +11,8 @@ from ..errors import SpecError
 # The allowed values of every choice field: owned here, re-exported by scalelab.run.spec.
 MODELS = ("cnn", "mlp", "transformer")
 DATA_SOURCES = ("heat", "digits", "path")
-STRATEGIES = ("ddp", "horovod", "fsdp")
+STRATEGIES = ("ddp", "horovod", "fsdp", "pp", "tp")
+SCHEDULES = ("gpipe", "1f1b")
 SHARDINGS = ("full", "grad_op", "none")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
@@ -142,6 +143,8 @@ RULES = {
     "fault.recovery": (str, _choice(RECOVERIES)),
     "fsdp.sharding": (str, _choice(SHARDINGS)),
     "fsdp.reshard_after_forward": (bool, None),
+    "pipeline.schedule": (str, _choice(SCHEDULES)),
+    "pipeline.micro_batches": (int, _int_at_least(1, 1024)),
     "steps": (int, _int_at_least(1, 10_000_000)),
     "epochs": (int, _int_at_least(0, 100_000)),
     "seed": (int, _int_at_least(0, 2**31 - 1)),
@@ -250,6 +253,8 @@ def _cross_checks(spec) -> None:
         raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
                                        "system: set data.format to files, shards or hdf5")
     _fsdp_checks(spec)
+    _pipeline_checks(spec)
+    _tensor_parallel_checks(spec)
     if spec.model.activation_checkpointing and spec.model.name != "transformer":
         raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers, "
                                                           f"not model.name={spec.model.name!r}: set model.name="
@@ -294,3 +299,41 @@ def _fsdp_checks(spec) -> None:
         raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy 'fsdp'; each rank holds "
                                            "only its shard of the state, so every rank must write: use "
                                            "checkpoint.mode=sharded")
+
+
+def _pipeline_checks(spec) -> None:
+    """Strategy pp: the mlp's layers over at least two torch.distributed ranks, whole micro-batches."""
+    if spec.strategy != "pp":
+        return
+    if spec.model.name != "mlp":
+        raise SpecError("model.name", f"got {spec.model.name!r} with strategy 'pp'; the pipeline cuts the mlp's "
+                                      "layers into stages: set model.name=mlp")
+    if spec.world_size < 2 or spec.world_size > spec.model.depth + 1:
+        raise SpecError("world.workers_per_node", f"got {spec.world_size} ranks for strategy 'pp'; a pipeline needs "
+                                                  f"2 to {spec.model.depth + 1} stages for an mlp of depth "
+                                                  f"{spec.model.depth} (raise model.depth for more)")
+    if spec.launcher == "horovodrun" or spec.checkpoint.every_steps:
+        raise SpecError("launcher" if spec.launcher == "horovodrun" else "checkpoint.every_steps",
+                        "strategy 'pp' runs on torch.distributed ranks without checkpoints for now: use launcher "
+                        "local, torchrun, mpirun or slurm, and checkpoint.every_steps=0")
+    if spec.optim.batch_per_worker % spec.pipeline.micro_batches:
+        raise SpecError("pipeline.micro_batches", f"got {spec.pipeline.micro_batches}, which does not divide "
+                                                  f"optim.batch_per_worker={spec.optim.batch_per_worker} into equal "
+                                                  "micro-batches")
+
+
+def _tensor_parallel_checks(spec) -> None:
+    """Strategy tp: the mlp's hidden layers split evenly over at least two torch.distributed ranks."""
+    if spec.strategy != "tp":
+        return
+    if spec.model.name != "mlp" or spec.model.depth < 2:
+        raise SpecError("model.name" if spec.model.name != "mlp" else "model.depth",
+                        f"strategy 'tp' splits pairs of the mlp's hidden layers: set model.name=mlp with model.depth "
+                        f">= 2 (got {spec.model.name!r}, depth {spec.model.depth})")
+    if spec.world_size < 2 or spec.model.width % spec.world_size:
+        raise SpecError("model.width", f"got {spec.model.width} over {spec.world_size} ranks; tensor parallelism "
+                                       "needs 2 or more ranks and a width they divide")
+    if spec.launcher == "horovodrun" or spec.checkpoint.every_steps:
+        raise SpecError("launcher" if spec.launcher == "horovodrun" else "checkpoint.every_steps",
+                        "strategy 'tp' runs on torch.distributed ranks without checkpoints for now: use launcher "
+                        "local, torchrun, mpirun or slurm, and checkpoint.every_steps=0")

@@ -64,7 +64,9 @@ def train(spec, info, events) -> dict:
 
     accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
     train_set = training_dataset(dataset, spec.data, run_dir / "data", spec.seed)  # on disk unless format=memory
-    loader = build_loader(train_set, spec.data, batch, info.rank, info.world_size, spec.seed)
+    # pipeline stages and tensor-parallel shards all see the same batches: one data-parallel rank
+    dp_rank, dp_world = (0, 1) if spec.strategy in ("pp", "tp") else (info.rank, info.world_size)
+    loader = build_loader(train_set, spec.data, batch, dp_rank, dp_world, spec.seed)
     steps_per_epoch = len(loader) // accum
     total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
     batches = resumable_batches(loader, start_step * accum, device)
@@ -95,6 +97,9 @@ def train(spec, info, events) -> dict:
             t_data = time.perf_counter()
             x, y = next(batches)
             data_s += time.perf_counter() - t_data
+            if spec.strategy == "pp":  # the pipeline schedule runs the micro-batches' forwards and backwards itself
+                loss_sum += strategy.forward_backward(model, x, y, accum)
+                continue
             sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
             with sync:
                 with autocast, activations if step == start_step and micro == 0 else contextlib.nullcontext():
@@ -179,6 +184,8 @@ def _report_flushes(done: list[dict], events) -> None:
 def _evaluate(model, spec, info, device, autocast, strategy) -> float:
     """Accuracy on a held-out set, split over ranks and averaged."""
     x, y = build_eval_set(spec.data, spec.seed)
+    if spec.strategy in ("pp", "tp"):  # the whole set, through the stages / the same on every shard
+        return strategy.evaluate(model, x.to(device), y.to(device))
     x, y = x[info.rank::info.world_size].to(device), y[info.rank::info.world_size].to(device)
     model.eval()
     with autocast:
