@@ -1,121 +1,275 @@
-"""What a rank holds and what it sends: state bytes per rank, the process's peak RSS, collectives by kind.
+"""Pipeline parallelism by hand: a model cut into stages, one per rank, fed micro-batches by a schedule.
 
-On a GPU a rank's peak memory is `torch.cuda.max_memory_allocated()`. On a CPU there is no allocator counter, so
-this module measures two honest things instead:
+Stage s runs layers [cut_s, cut_s+1) of the model. A step splits the batch into m micro-batches; each
+micro-batch's activations go forward stage to stage (send/recv) and its gradients come back the same way. The
+schedule orders each stage's work:
 
-- `state_bytes`: the bytes of the parameters, gradients and optimizer state *this rank holds*, summed over the
-  tensors themselves (a sharded DTensor counts its local shard only). This is the quantity ZeRO/FSDP shrinks.
-- `rss_peak_bytes`: the process's resident-set high-water mark (`getrusage`), which also counts the Python
-  interpreter, torch's libraries, activations and allocator caches: an upper bound, dominated by fixed costs for
-  small models.
+    gpipe   every forward, then every backward:     F0 F1 .. Fm-1 B0 B1 .. Bm-1
+            a stage keeps the activations of all m micro-batches until their backward.
+    1f1b    p-s-1 forwards to fill the pipe, then one forward, one backward, alternating; then the rest of the
+            backwards. Same bubble as GPipe, but at most p-s micro-batches in flight: activation memory
+            bounded by the depth of the pipe, not by m.
 
-`CommCounter` counts the collectives a block of code issues (all-gather, reduce-scatter, all-reduce, send/recv,
-...) and the bytes of their tensors, with a torch dispatch mode: it sees what FSDP and DDP call into c10d.
-Collectives run asynchronously, so their time is not separable from the step's here; the step time shows it.
+With uniform stages, each stage idles for p-1 of the m+p-1 slots of a step: the bubble fraction
+(p-1)/(m+p-1), which shrinks as m grows. The loss is the mean of the micro-batch losses, so gradients, and the
+training trajectory, equal the unsplit batch's.
+
+Sends are non-blocking (`isend`, waited for at the end of the step) and receives block; every pair of stages
+receives in the order it sends, so no schedule here can deadlock.
 """
 from __future__ import annotations
 
-import resource
-import sys
-from collections import defaultdict
+import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+import torch.distributed as dist
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b")
 
 
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank stores for `t` (a DTensor's local shard, a plain tensor whole)."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return t.numel() * t.element_size()
+def schedule_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """The ("F"|"B", micro-batch) operations stage `stage` of `stages` runs in one step, in order."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
+    if schedule == "1f1b":
+        warm = min(stages - stage - 1, micro)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(micro - warm):
+            ops += [("F", warm + i), ("B", i)]
+        return ops + [("B", i) for i in range(micro - warm, micro)]
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def state_bytes(model: torch.nn.Module, optimizer) -> dict:
-    """Parameters, gradients (those present now) and optimizer state held by this rank, in bytes."""
-    params = list(model.parameters())
-    optim = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)  # step counters are scalars: not state that scales
-    out = {"param_bytes": sum(local_bytes(p) for p in params),
-           "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-           "optim_bytes": optim}
-    out["state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
-    return out
+def split_layers(layers: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    """Cut a Sequential into `stages` consecutive pieces whose parameter counts are as equal as the layers allow
+    (each cut at the layer boundary nearest its share of the total)."""
+    if stages > len(layers):
+        raise ValueError(f"cannot cut {len(layers)} layers into {stages} pipeline stages: use fewer stages or a "
+                         "deeper model")
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    prefix = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    cuts = [0]
+    for k in range(1, stages):
+        target = prefix[-1] * k / stages
+        # a cut leaves at least one layer for every stage before and after it
+        options = range(cuts[-1] + 1, len(layers) - (stages - k) + 1)
+        cuts.append(min(options, key=lambda i: (abs(prefix[i] - target), -i)))  # ties: later
+    cuts.append(len(layers))
+    return [layers[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
-def rss_peak_bytes() -> int:
-    """The process's resident-set high-water mark in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+class PipelineStage:
+    """One rank's stage: runs a schedule's operations on micro-batches, timing its compute."""
+
+    def __init__(self, module: nn.Module, stage: int, stages: int, group=None, uniform: bool = True):
+        self.module, self.stage, self.stages, self.group = module, stage, stages, group
+        self.uniform = uniform
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(stages))
+        self.prev = ranks[stage - 1] if stage > 0 else None
+        self.next = ranks[stage + 1] if stage < stages - 1 else None
+
+    @property
+    def is_last(self) -> bool:
+        """True on the stage that computes the loss."""
+        return self.next is None
+
+    def step(self, schedule: str, micro_x: list, micro_y: list, boundary_shape, loss_fn) -> dict:
+        """One training step's forwards and backwards (no optimizer step): loss (last stage, else nan), the
+        compute timeline [(op, micro, t0, t1)] relative to the step's start, busy and wall seconds, and the most
+        micro-batches whose activations were held at once."""
+        m = len(micro_x)
+        saved, sends, timeline = {}, [], []
+        loss_total, in_flight, peak = 0.0, 0, 0
+        start = time.perf_counter()
+        for op, i in schedule_ops(schedule, self.stage, self.stages, m):
+            if op == "F":
+                if self.prev is None:
+                    # the first stage's input needs no gradient; computing it anyway gives every stage the
+                    # same backward work, the uniform stages the bubble formula assumes
+                    x = micro_x[i].detach().requires_grad_(self.uniform)
+                else:
+                    x = torch.empty(boundary_shape(i))
+                    dist.recv(x, src=self.prev, group=self.group)
+                    x.requires_grad_(True)
+                t0 = time.perf_counter()
+                y = self.module(x)
+                if self.is_last:
+                    y = loss_fn(y, micro_y[i]) / m
+                    loss_total += float(y.detach())
+                timeline.append(("F", i, t0 - start, time.perf_counter() - start))
+                if not self.is_last:
+                    out = y.detach().contiguous()
+                    sends.append((dist.isend(out, dst=self.next, group=self.group), out))
+                saved[i] = (x, y)
+                in_flight += 1
+                peak = max(peak, in_flight)
+            else:
+                x, y = saved.pop(i)
+                grad = None
+                if not self.is_last:
+                    grad = torch.empty_like(y)
+                    dist.recv(grad, src=self.next, group=self.group)
+                t0 = time.perf_counter()
+                y.backward(grad)
+                timeline.append(("B", i, t0 - start, time.perf_counter() - start))
+                if self.prev is not None:
+                    g = x.grad.contiguous()
+                    sends.append((dist.isend(g, dst=self.prev, group=self.group), g))
+                in_flight -= 1
+        wall = time.perf_counter() - start  # the last compute is done: what follows is the pipe draining
+        for work, _ in sends:
+            work.wait()
+        busy = sum(t1 - t0 for _, _, t0, t1 in timeline)
+        return {"loss": loss_total if self.is_last else float("nan"), "timeline": timeline, "busy_s": busy,
+                "wall_s": wall, "peak_in_flight": peak}
 
 
-# c10d op name (torch.ops.c10d.<name>) -> the collective it is
-_KINDS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "_allgather_base_": "all_gather",
-          "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-          "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast", "send": "send",
-          "recv_": "recv", "alltoall_base_": "all_to_all", "barrier": "barrier"}
+def bubble_formula(stages: int, micro: int) -> float:
+    """The idle fraction of each stage in a step with uniform stages: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro + stages - 1)
 
 
-class CommCounter(TorchDispatchMode):
-    """`with CommCounter() as c:` ... then `c.by_kind` = {kind: {"calls": n, "bytes": b}}; bytes are the input
-    tensors' (an all-gather counts its output, the gathered size, as NCCL's tests do)."""
+def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
+    """Replay a step's schedule with the stages' measured compute times, every stage on a core of its own:
+    forward i on stage s waits for forward i on s-1, backward i for backward i on s+1. Returns the step's span,
+    each stage's busy time, the bubble fraction 1 - mean busy / span, and when each operation starts.
 
-    def __init__(self):
-        super().__init__()
-        self.by_kind: dict[str, dict] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+    typical: each operation takes its stage's median forward (or backward) time, so a micro-batch that the OS
+    happened to delay does not count as schedule; false: each operation's own measured time.
+    On a machine with a free core per stage the wall clock shows the same bubble; on a loaded laptop the stages'
+    processes take turns on the cores and the wall clock shows that sharing, not the schedule's idle slots."""
+    stages = len(timelines)
+    if typical:
+        timelines = [typical_timeline(t) for t in timelines]
+    starts: list[list[float]] = [[] for _ in range(stages)]
+    end: dict[tuple[str, int, int], float] = {}
+    clock, busy = [0.0] * stages, [0.0] * stages
+    position = [0] * stages
+    remaining = sum(len(t) for t in timelines)
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(timelines[s]):
+                continue
+            op, i, t0, t1 = timelines[s][position[s]]
+            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < stages - 1 else None
+            if dep is not None and dep not in end:
+                continue  # its input has not been produced yet in the replay: another stage goes first
+            start = max(clock[s], end.get(dep, 0.0))
+            starts[s].append(start)
+            clock[s] = end[(op, s, i)] = start + (t1 - t0)
+            busy[s] += t1 - t0
+            position[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise ValueError("the stages' timelines wait on each other in a circle: not one step of one schedule")
+    span = max(clock)
+    return {"span_s": span, "busy_s": busy, "bubble": 1 - sum(busy) / stages / span if span > 0 else 0.0,
+            "starts": starts, "timelines": timelines}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func._overloadpacket
-        if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
-            name = packet.__name__
-            kind = _KINDS.get(name, name)
-            tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
-            if kind == "all_gather":
-                tensors = tensors[:1]  # the output buffer (the gathered tensor)
-            elif kind == "reduce_scatter":
-                tensors = tensors[1:2] or tensors[:1]  # the input (the full-size tensor)
-            entry = self.by_kind[kind]
-            entry["calls"] += 1
-            entry["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
 
-    def summary(self) -> dict:
-        """A plain dict, for an event."""
-        return {k: dict(v) for k, v in sorted(self.by_kind.items())}
+def typical_timeline(timeline: list) -> list:
+    """The timeline with every forward (backward) lasting the median forward (backward) of this stage."""
+    med = {}
+    for kind in ("F", "B"):
+        d = sorted(t1 - t0 for op, _, t0, t1 in timeline if op == kind)
+        med[kind] = d[len(d) // 2] if d else 0.0
+    return [(op, i, 0.0, med[op]) for op, i, _, _ in timeline]
 
 
-class SavedTensorBytes:
-    """`with SavedTensorBytes() as saved:` a forward pass; then `saved.bytes` = the activations autograd keeps for
-    backward (each tensor once; parameters left out: they are state, counted by `state_bytes`). A block under
-    activation checkpointing keeps only its input, which `models.checkpointed` reports with `add`."""
+class PipelineStrategy:
+    """Strategy pp: the engine's MLP cut into one stage per rank (dp = 1: every stage sees the whole batch), each
+    optimizer step's batch split into `pipeline.micro_batches` and run by `pipeline.schedule`.
 
-    active: "SavedTensorBytes | None" = None
+    The process group, scalar means, barriers and shutdown are the data-parallel strategy's (`base`); wrap cuts
+    `model.net` in place, so the model keeps only this stage's layers under their original names (a full state
+    dict is the union of the stages')."""
 
-    def __init__(self):
-        self.bytes = 0
+    name = "pp"
+    wait = "none"
 
-    def __enter__(self):
-        from torch.autograd.graph import saved_tensors_hooks
-        self.bytes, self._seen = 0, set()
-        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        SavedTensorBytes.active = self
-        return self
+    def __init__(self, spec, info, device, base):
+        self.spec, self.info, self.device, self.base = spec, info, device, base
+        self.backend = base.backend
+        self.stage: PipelineStage | None = None
+        self.boundary = 0  # features of the activation this stage receives
 
-    def __exit__(self, *exc):
-        SavedTensorBytes.active = None
-        return self._hooks.__exit__(*exc)
+    def setup(self) -> None:
+        """Join the process group (every stage is a torch.distributed rank)."""
+        self.base.setup()
 
-    def add(self, t: torch.Tensor) -> None:
-        """Count `t` once (by storage address and size)."""
-        if isinstance(t, torch.nn.Parameter) or not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        if key not in self._seen:
-            self._seen.add(key)
-            self.bytes += local_bytes(t)
+    def wrap(self, model, optimizer):
+        """Keep this rank's stage of `model.net`; the optimizer steps only its parameters."""
+        stages = split_layers(model.net, self.info.world_size)
+        rank = self.info.rank
+        before = [layer for s in stages[:rank] for layer in s]
+        linears = [layer for layer in before if isinstance(layer, nn.Linear)]
+        self.boundary = linears[-1].out_features if linears else 0
+        model.net = stages[rank]
+        kept = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+        self.stage = PipelineStage(model.net, rank, self.info.world_size)
+        return model, optimizer
 
-    def _pack(self, t):
-        self.add(t)
-        return t
+    def forward_backward(self, model, x, y, accum: int) -> torch.Tensor:
+        """One batch's forwards and backwards through the pipeline; the batch's loss on every stage."""
+        import torch.nn.functional as F
+        m = self.spec.pipeline.micro_batches
+        xs, ys = list(x.chunk(m)), list(y.chunk(m))
+        r = self.stage.step(self.spec.pipeline.schedule, xs, ys, lambda i: (len(ys[i]), self.boundary),
+                            lambda out, target: F.cross_entropy(out.float(), target) / accum)
+        return self._from_last(r["loss"] if self.stage.is_last else 0.0)
+
+    @torch.no_grad()
+    def evaluate(self, model, x, y) -> float:
+        """Accuracy of the whole pipeline on (x, y): forwards only, stage to stage."""
+        stage = self.stage
+        h = x if stage.prev is None else torch.empty(len(x), self.boundary)
+        if stage.prev is not None:
+            dist.recv(h, src=stage.prev)
+        model.eval()
+        out = model.net(h)
+        model.train()
+        if not stage.is_last:
+            dist.send(out.contiguous(), dst=stage.next)
+            return float(self._from_last(0.0))
+        return float(self._from_last(float((out.argmax(dim=1) == y).float().mean())))
+
+    def _from_last(self, value: float) -> torch.Tensor:
+        t = torch.tensor(float(value), dtype=torch.float64)
+        dist.broadcast(t, src=self.info.world_size - 1)
+        return t.float()
+
+    def full_state_dict(self, model) -> dict:
+        """Every stage's parameters, gathered (collective: every rank calls it)."""
+        parts = [None] * self.info.world_size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in model.state_dict().items()})
+        return {k: v for part in parts for k, v in part.items()}
+
+    def no_sync(self, model):
+        """Stages hold different parameters: nothing to synchronise."""
+        import contextlib
+        return contextlib.nullcontext()
+
+    def step(self, optimizer, scaler=None) -> None:
+        """Apply this stage's gradients."""
+        optimizer.step()
+
+    def take_comm_time(self) -> float:
+        """Send/recv waits are inside the schedule's step time: not separated here."""
+        return 0.0
+
+    def mean(self, value: float) -> float:
+        """Average a scalar over ranks."""
+        return self.base.mean(value)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self.base.barrier()
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        self.base.shutdown()

@@ -110,3 +110,83 @@ def shard_of_serial_grads(first: nn.Linear, second: nn.Linear, rank: int, world:
             "first.bias": _slice(first.bias.grad, 0, rank, world),
             "second.weight": _slice(second.weight.grad, 1, rank, world),
             "second.bias": second.bias.grad.detach().clone()}
+
+
+class TensorParallelStrategy:
+    """Strategy tp: the engine's MLP with each pair of hidden layers split column/row over all ranks (dp = 1:
+    every rank sees the whole batch); the classifier head and an unpaired last hidden layer stay replicated,
+    their gradients identical on every rank because f and g are exact.
+
+    The process group, scalar means, barriers and shutdown are the data-parallel strategy's (`base`). Parameter
+    names stay those of the serial model, so `full_state_dict` concatenates the shards back into it."""
+
+    name = "tp"
+    wait = "none"
+
+    def __init__(self, spec, info, device, base):
+        self.spec, self.info, self.device, self.base = spec, info, device, base
+        self.backend = base.backend
+        self.split_dims: dict[str, int] = {}  # parameter name -> the dimension its shards were cut along
+
+    def setup(self) -> None:
+        """Join the process group."""
+        self.base.setup()
+
+    def wrap(self, model, optimizer):
+        """Swap pairs of hidden Linear layers of `model.net` for column/row-parallel shards of themselves."""
+        rank, world = self.info.rank, self.info.world_size
+        linears = [i for i, layer in enumerate(model.net) if isinstance(layer, nn.Linear)][:-1]  # not the head
+        names = {id(p): n for n, p in model.named_parameters()}
+        for first, second in zip(linears[0::2], linears[1::2]):
+            model.net[first] = ColumnParallelLinear(model.net[first], rank, world)
+            model.net[second] = RowParallelLinear(model.net[second], rank, world)
+            self.split_dims.update({f"net.{first}.weight": 0, f"net.{first}.bias": 0, f"net.{second}.weight": 1})
+        # the shards keep their layers' names: point the (still stateless) optimizer at them
+        now = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [now[names[id(p)]] for p in group["params"]]
+        return model, optimizer
+
+    @torch.no_grad()
+    def evaluate(self, model, x, y) -> float:
+        """Accuracy on (x, y): every rank runs the same inputs (its shards' partial sums are all-reduced)."""
+        model.eval()
+        correct = float((model(x).argmax(dim=1) == y).float().mean())
+        model.train()
+        return correct
+
+    def full_state_dict(self, model) -> dict:
+        """The serial model's parameters, shards concatenated (collective: every rank calls it)."""
+        out = {}
+        for name, value in model.state_dict().items():
+            if name in self.split_dims:
+                parts = [torch.empty_like(value) for _ in range(self.info.world_size)]
+                dist.all_gather(parts, value.contiguous())
+                value = torch.cat(parts, dim=self.split_dims[name])
+            out[name] = value
+        return out
+
+    def no_sync(self, model):
+        """Shards are not replicas: nothing to synchronise between micro-batches."""
+        import contextlib
+        return contextlib.nullcontext()
+
+    def step(self, optimizer, scaler=None) -> None:
+        """Apply this rank's gradients (each shard's, and the replicated layers' identical ones)."""
+        optimizer.step()
+
+    def take_comm_time(self) -> float:
+        """The all-reduces run inside forward and backward: not separated here."""
+        return 0.0
+
+    def mean(self, value: float) -> float:
+        """Average a scalar over ranks."""
+        return self.base.mean(value)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self.base.barrier()
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        self.base.shutdown()
