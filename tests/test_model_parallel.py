@@ -29,6 +29,13 @@ def test_column_and_row_parallel_mlp_equals_the_serial_layers(pool):
         assert r["comm"] == {"all_reduce": {"calls": 2, "bytes": r["output_bytes"] + r["input_bytes"]}}
 
 
+def test_dtensor_parallelize_module_splits_the_same_layers_exactly(pool):
+    for r in pool.run(T + "dtensor_parallel_check", width=64, batch=8):
+        assert r["out_diff"] < 1e-5 and max(r["grad_diffs"].values()) < 1e-5, r
+        assert r["local_elements"] < 0.51 * r["serial_elements"]
+        assert r["comm"]["all_reduce"]["calls"] == 1  # the row-parallel partial sums (x needs no gradient)
+
+
 def test_a_layer_without_the_backward_all_reduce_gets_wrong_input_gradients(pool, tmp_path, monkeypatch):
     broken = tmp_path / "broken_tp.py"
     broken.write_text("import torch\nfrom scalelab.train.tensor_parallel import ReduceFromParallel\n"

@@ -7,6 +7,7 @@
 - `tensor_parallel_check`: the engine's MLP, its first two layers split column/row over the ranks (by
   `scalelab.train.tensor_parallel`, or a student's module with the same two autograd functions), against the
   serial layers: outputs and gradients, and the collectives it issued.
+- `dtensor_parallel_check`: the same split done by PyTorch's DTensor `parallelize_module`, against the serial layers.
 - `pipeline_measure`: the MLP cut into one stage per rank, trained a few steps with a GPipe or 1F1B schedule;
   bubble fraction measured from each stage's compute timeline against (p-1)/(m+p-1), activations held, and the
   losses of the same steps trained unsplit on one process.
@@ -70,6 +71,31 @@ def tensor_parallel_check(width: int = 64, batch: int = 8, seed: int = 0, module
             "serial_elements": sum(p.numel() for p in (*first.parameters(), *second.parameters())),
             "comm": counter.summary(), "output_bytes": y_par.numel() * y_par.element_size(),
             "input_bytes": x.numel() * x.element_size()}
+
+
+def dtensor_parallel_check(width: int = 64, batch: int = 8, seed: int = 0) -> dict:
+    """The same two layers split by PyTorch's DTensor (`parallelize_module` with ColwiseParallel and
+    RowwiseParallel on a 1-D CPU mesh) against the serial layers: output, and weight gradients gathered back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    rank, world = dist.get_rank(), dist.get_world_size()
+    serial = _mlp(width, 2, seed=seed)
+    pair = torch.nn.Sequential(serial.net[1], torch.nn.ReLU(), serial.net[3])
+    twin = _mlp(width, 2, seed=seed)
+    twin_pair = torch.nn.Sequential(twin.net[1], torch.nn.ReLU(), twin.net[3])
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(twin_pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = _batch(batch)[0].flatten(1)
+    with CommCounter() as counter:
+        y_par = twin_pair(x)
+        (y_par ** 2).sum().backward()
+    y_serial = pair(x)
+    (y_serial ** 2).sum().backward()
+    grads = {n: float((p.grad.full_tensor() - q.grad).abs().max())
+             for (n, p), q in zip(twin_pair.named_parameters(), pair.parameters())}
+    return {"rank": rank, "out_diff": float((y_par - y_serial).abs().max()), "grad_diffs": grads,
+            "local_elements": sum(p.to_local().numel() for p in twin_pair.parameters()),
+            "serial_elements": sum(p.numel() for p in pair.parameters()), "comm": counter.summary()}
 
 
 def pipeline_measure(schedule: str = "gpipe", micro: int = 4, steps: int = 3, width: int = 1024, depth: int = 2,
@@ -222,4 +248,4 @@ def _digest(flat: dict) -> dict:
             for k, v in sorted(flat.items())}
 
 
-__all__ = ["tensor_parallel_check", "pipeline_measure", "pipeline_figure", "reshard_save", "reshard_restore"]
+__all__ = ["tensor_parallel_check", "dtensor_parallel_check", "pipeline_measure", "pipeline_figure", "reshard_save", "reshard_restore"]

@@ -10,7 +10,8 @@ this module measures two honest things instead:
   small models.
 
 `CommCounter` counts the collectives a block of code issues (all-gather, reduce-scatter, all-reduce, send/recv,
-...) and the bytes of their tensors, with a torch dispatch mode: it sees what FSDP and DDP call into c10d.
+...) and the bytes of their tensors, with a torch dispatch mode: it sees what FSDP and DDP call into c10d and
+what DTensor calls as functional collectives.
 Collectives run asynchronously, so their time is not separable from the step's here; the step time shows it.
 """
 from __future__ import annotations
@@ -54,7 +55,12 @@ _KINDS = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "_al
           "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
           "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
           "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast", "send": "send",
-          "recv_": "recv", "alltoall_base_": "all_to_all", "barrier": "barrier"}
+          "recv_": "recv", "alltoall_base_": "all_to_all", "barrier": "barrier",
+          "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter", "allgather_coalesced_": "all_gather",
+          # functional collectives (DTensor, torch.compile): torch.ops._c10d_functional.<name>
+          "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+          "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
+_NAMESPACES = ("c10d::", "_c10d_functional::")
 
 
 class CommCounter(TorchDispatchMode):
@@ -67,9 +73,9 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = func._overloadpacket
-        if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
+        if getattr(packet, "_qualified_op_name", "").startswith(_NAMESPACES) and packet.__name__ in _KINDS:
             name = packet.__name__
-            kind = _KINDS.get(name, name)
+            kind = _KINDS[name]
             tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
             if kind == "all_gather":
                 tensors = tensors[:1]  # the output buffer (the gathered tensor)
