@@ -56,6 +56,7 @@ def test_each_mode_issues_its_own_collectives(runs):
     assert full["all_gather"]["bytes"] == 2 * param_bytes and grad_op["all_gather"]["bytes"] == param_bytes
     assert full["reduce_scatter"]["bytes"] == grad_op["reduce_scatter"]["bytes"] == param_bytes
     assert set(none) == {"all_reduce"} and none["all_reduce"]["bytes"] == param_bytes
+    assert all(c["time_s"] > 0 for comm in (ddp, full, grad_op, none) for c in comm.values())  # each waited, timed
 
 
 @pytest.mark.parametrize("changes, field, hint", [

@@ -26,7 +26,9 @@ def test_column_and_row_parallel_mlp_equals_the_serial_layers(pool):
         # each rank holds half of both weight matrices (the second bias whole), and the layer costs exactly two
         # all-reduces: the output forward (g), the input's gradient backward (f)
         assert r["param_elements"] < 0.51 * r["serial_elements"]
-        assert r["comm"] == {"all_reduce": {"calls": 2, "bytes": r["output_bytes"] + r["input_bytes"]}}
+        assert set(r["comm"]) == {"all_reduce"} and r["comm"]["all_reduce"]["calls"] == 2
+        assert r["comm"]["all_reduce"]["bytes"] == r["output_bytes"] + r["input_bytes"]
+        assert r["comm"]["all_reduce"]["time_s"] > 0
 
 
 def test_dtensor_parallelize_module_splits_the_same_layers_exactly(pool):

@@ -12,12 +12,15 @@ this module measures two honest things instead:
 `CommCounter` counts the collectives a block of code issues (all-gather, reduce-scatter, all-reduce, send/recv,
 ...) and the bytes of their tensors, with a torch dispatch mode: it sees what FSDP and DDP call into c10d and
 what DTensor calls as functional collectives.
-Collectives run asynchronously, so their time is not separable from the step's here; the step time shows it.
+Time: a c10d collective is waited for as soon as it is issued, on the counted step only, so `time_s` is its own
+duration (including waiting for the slowest rank) and that step gives up overlapping it with compute. Functional
+collectives (DTensor) are waited for later by the caller: they are counted, not timed.
 """
 from __future__ import annotations
 
 import resource
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -64,7 +67,7 @@ _NAMESPACES = ("c10d::", "_c10d_functional::")
 
 
 class CommCounter(TorchDispatchMode):
-    """`with CommCounter() as c:` ... then `c.by_kind` = {kind: {"calls": n, "bytes": b}}; bytes are the input
+    """`with CommCounter() as c:` ... then `c.by_kind` = {kind: {"calls": n, "bytes": b, "time_s": t}}; bytes are the input
     tensors' (an all-gather counts its output, the gathered size, as NCCL's tests do)."""
 
     def __init__(self):
@@ -84,6 +87,13 @@ class CommCounter(TorchDispatchMode):
             entry = self.by_kind[kind]
             entry["calls"] += 1
             entry["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            work = out[-1] if isinstance(out, tuple) and out else None
+            if hasattr(work, "wait"):  # a c10d op hands back its Work: wait for it here, and time it
+                work.wait()
+                entry["time_s"] = entry.get("time_s", 0.0) + time.perf_counter() - start
+            return out
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> dict:
