@@ -64,3 +64,26 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+def test_the_lab_at_two_nodes_trains_across_them_and_a_slow_link_shows_in_the_comm_share(nodes_cluster, tmp_path):
+    """Section 5 at nodes = 2 on the namespace cluster: 1 node x 2 ranks, 2 nodes x 1 rank, and 2 nodes on links
+    shaped to 1 Mbit/s; the exercise's numbers follow from the rows, and the shaping is taken off afterwards."""
+    from scalelab.course.execute import execute_notebook
+    params = {**grading_parameters(LAB), "nodes": 2, "slow_link": "1mbit", "out_dir": str(tmp_path / "runs")}
+    result = execute_notebook(LAB / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=LAB,
+                              cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
+    assert result.ok, result.error and result.error.details()
+    rows = result.records["node_rows"]
+    assert [r["layout"] for r in rows] == ["1 node x 2 ranks", "2 nodes x 1 rank", "2 nodes x 1 rank, 1mbit links"]
+    assert len(rows[0]["hosts"]) == 1 and rows[1]["hosts"] == rows[2]["hosts"] == ["node1", "node2"]
+    one, unshaped, slow = rows
+    assert result.records["cross_node_slowdown"] == pytest.approx(one["samples_per_s"] / unshaped["samples_per_s"])
+    # 1 Mbit/s for every all-reduce: each takes hundreds of ms (on a loaded machine the unshaped runs also wait,
+    # for each other, so compare the all-reduce time per step, not its share)
+    assert slow["comm_ms_per_step"] > 2.5 * unshaped["comm_ms_per_step"] and slow["comm_fraction"] > 0.6, rows
+    assert slow["samples_per_s"] < unshaped["samples_per_s"]
+    from scalelab.cluster import netns
+    assert [netns.link_rate(n) for n in nodes_cluster.node_names] == [None, None]  # the shaping was taken off
