@@ -8,7 +8,8 @@ and a 2-stage pipeline's bubble against (p - 1)/(m + p - 1).
   (full shard, grad_op), 2 ranks of 1 thread, `--steps` steps, `--repeats` runs each, alternating, so every
   strategy sees the same load on this shared machine. samples/s is the engine's summary (the first steps left
   out); state bytes (parameters + gradients + Adam, this rank's shard) and the RSS high-water mark come from each
-  run's `memory` / `end` events, collective bytes from the first step's counted collectives.
+  run's `memory` / `end` events, collective bytes and times from the first step's counted collectives (each
+  waited for as it is issued, so the times are the collectives' own).
 - Pipeline: `pipeline_measure` (2 stages, GPipe and 1F1B) at m = 1, 2, 4, 8, 16 micro-batches; the bubble is
   replayed from each stage's median forward and backward times (what a core per stage would show) and also read
   off the wall clock (which on a loaded 2-core machine includes the two stages taking turns on the cores).
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
                             "state_bytes_per_rank": rows[0]["state_bytes"], "param_bytes": rows[0]["param_bytes"],
                             "rss_peak_bytes_max": max(r["rss_peak_bytes_max"] for r in rows),
                             "collective_bytes_per_step": sum(c["bytes"] for c in rows[0]["comm"].values()),
+                            "collective_s_first_step": statistics.median(
+                                sum(c.get("time_s", 0.0) for c in r["comm"].values()) for r in rows),
                             "comm": rows[0]["comm"], "runs": rows}
     pipeline = {}
     with SpmdPool(world=2, threads=1) as pool:
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     for name, s in strategies.items():
         print(f"{name:13s} {s['median_samples_per_s']:7.0f} samples/s, state {s['state_bytes_per_rank'] / 1e6:6.2f} MB/rank,"
               f" RSS peak {s['rss_peak_bytes_max'] / 2**20:5.0f} MiB, collectives {s['collective_bytes_per_step'] / 1e6:6.2f}"
-              " MB/step")
+              f" MB/step in {s['collective_s_first_step'] * 1e3:.1f} ms (first step, each waited for)")
     for key, p in pipeline.items():
         print(f"{key:9s} bubble replayed {p['replayed_bubble']:.3f}, wall clock {p['wall_clock_bubble']:.3f}, "
               f"formula {p['formula']:.3f}, held {p['peak_in_flight']}")
