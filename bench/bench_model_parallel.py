@@ -106,9 +106,10 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for name, s in strategies.items():
-        print(f"{name:13s} {s['median_samples_per_s']:7.0f} samples/s, state {s['state_bytes_per_rank'] / 1e6:6.2f} MB/rank,"
-              f" RSS peak {s['rss_peak_bytes_max'] / 2**20:5.0f} MiB, collectives {s['collective_bytes_per_step'] / 1e6:6.2f}"
-              f" MB/step in {s['collective_s_first_step'] * 1e3:.1f} ms (first step, each waited for)")
+        print(f"{name:13s} {s['median_samples_per_s']:7.0f} samples/s, state "
+              f"{s['state_bytes_per_rank'] / 1e6:6.2f} MB/rank, RSS peak {s['rss_peak_bytes_max'] / 2**20:5.0f} MiB, "
+              f"collectives {s['collective_bytes_per_step'] / 1e6:6.2f} MB/step in "
+              f"{s['collective_s_first_step'] * 1e3:.1f} ms (first step, each waited for)")
     for key, p in pipeline.items():
         print(f"{key:9s} bubble replayed {p['replayed_bubble']:.3f}, wall clock {p['wall_clock_bubble']:.3f}, "
               f"formula {p['formula']:.3f}, held {p['peak_in_flight']}")

@@ -63,7 +63,8 @@ def _scale(r, factor):
 
 
 @pytest.mark.parametrize("forge, check_name", [
-    (lambda r: r["my_state_table"]["bytes"].__setitem__(1, r["my_state_table"]["bytes"][0]), "state_arithmetic_written"),
+    (lambda r: r["my_state_table"]["bytes"].__setitem__(1, r["my_state_table"]["bytes"][0]),
+     "state_arithmetic_written"),
     (lambda r: r["fsdp_runs"]["fsdp_full"]["loss_curve"].__setitem__(0, 9.0), "fsdp_trains_like_ddp"),
     (lambda r: _scale(r, 2), "fsdp_halves_the_state"),
     (lambda r: r["memory_answers"].update(traffic_ratio=1.5), "measured_against_the_arithmetic"),

@@ -248,4 +248,5 @@ def _digest(flat: dict) -> dict:
             for k, v in sorted(flat.items())}
 
 
-__all__ = ["tensor_parallel_check", "dtensor_parallel_check", "pipeline_measure", "pipeline_figure", "reshard_save", "reshard_restore"]
+__all__ = ["tensor_parallel_check", "dtensor_parallel_check", "pipeline_measure", "pipeline_figure", "reshard_save",
+           "reshard_restore"]

@@ -67,8 +67,8 @@ _NAMESPACES = ("c10d::", "_c10d_functional::")
 
 
 class CommCounter(TorchDispatchMode):
-    """`with CommCounter() as c:` ... then `c.by_kind` = {kind: {"calls": n, "bytes": b, "time_s": t}}; bytes are the input
-    tensors' (an all-gather counts its output, the gathered size, as NCCL's tests do)."""
+    """`with CommCounter() as c:` ... then `c.by_kind` = {kind: {"calls": n, "bytes": b, "time_s": t}}; bytes are
+    the input tensors' (an all-gather counts its output, the gathered size, as NCCL's tests do)."""
 
     def __init__(self):
         super().__init__()
