@@ -60,3 +60,19 @@ def test_forward_recovery_finishes_with_the_survivors_from_memory(tmp_path):
     assert ends == {0, 1}
     assert run.lost_ranks() == {2}
     assert processes_of(run.run_dir) == []
+
+
+def test_forward_recovery_leaves_a_hung_rank_behind_and_fences_it(tmp_path):
+    run = launch(tiny(tmp_path, "hung", steps=STEPS, **{
+        "fault.kind": "hang", "fault.rank": 1, "fault.step": 12, "fault.recovery": "forward",
+        "fault.detect_timeout_s": 3.0}))
+    try:
+        summary = run.wait(timeout=240)
+    finally:
+        run.stop()
+    assert summary["status"] == "succeeded", summary.get("error")
+    recovered = [e for e in _events(run.run_dir) if e["type"] == "recovered"]
+    assert [(e["lost"], e["world_size"]) for e in recovered] == [([1], 1)]
+    assert recovered[0]["recover_s"] >= 5  # it waited for the live-but-silent rank before leaving it behind
+    assert run.procs[1].returncode == -9  # fenced: SIGKILLed by the survivors' leader
+    assert processes_of(run.run_dir) == []

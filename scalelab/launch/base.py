@@ -64,13 +64,19 @@ class ProcessRun(Run):
         self._rank_of_proc = rank_of_proc  # procs[i] is rank i
         self._psprocs = [psutil.Process(p.pid) for p in procs]
         self._state = "running"
+        self._loss_seen: float | None = None  # when a rank was first seen dead (runs that recover from it)
 
     def _backend_state(self):
         codes = [p.poll() for p in self.procs]
         if self._rank_of_proc and self.tolerates_rank_loss:
-            if None in codes:
-                return "running", None, None  # a lost rank is for the survivors to recover from
             lost = self.lost_ranks()
+            dead = [i for i, code in enumerate(codes) if code not in (None, 0) and i not in lost]
+            if dead and self._loss_seen is None:
+                self._loss_seen = time.monotonic()
+            # a lost rank is for the survivors to recover from: they have the detection timeout and a margin
+            waiting = dead and time.monotonic() - self._loss_seen < self.spec.fault.detect_timeout_s + 30
+            if None in codes and (not dead or waiting):
+                return "running", None, None
             codes = [0 if i in lost else code for i, code in enumerate(codes)]
         for i, code in enumerate(codes):
             if code not in (None, 0):

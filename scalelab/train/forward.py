@@ -8,7 +8,7 @@ peer died, each survivor:
 
 1. leaves the broken group;
 2. announces itself in `<run dir>/recovery/gen-<g>/` and waits for the peers whose processes are still alive (a
-   hung peer that never announces itself is left behind after `join_s`);
+   hung peer that never announces itself is left behind after `JOIN_S`, and the new leader SIGKILLs it: fencing);
 3. the lowest surviving rank writes the member list; everyone on it joins a new gloo group over a file store;
 4. the same step's gradients are all-reduced again among the survivors — the step is not lost.
 
@@ -123,7 +123,7 @@ class ForwardRecoveryDDP(DDPStrategy):
             try:
                 return collective()
             except Exception as e:  # noqa: BLE001 - only a peer's failure is recovered from; the rest re-raise
-                if not is_peer_failure(e):
+                if not (is_peer_failure(e) or "Timed out" in str(e)):  # a dead peer, or a silent one (hung)
                     raise
                 self._reform(e)
 
@@ -141,6 +141,8 @@ class ForwardRecoveryDDP(DDPStrategy):
             raise RuntimeError(f"rank {me} was left out of the re-formed group {members} (it announced itself late)")
         lost = [r for r in self.members if r not in members]
         self.members = members
+        if members[0] == me:
+            _fence(self.run_dir, lost)
         if self.world > 1:
             dist.init_process_group("gloo", init_method=f"file://{gen_dir / 'store'}", rank=members.index(me),
                                     world_size=self.world, timeout=timedelta(seconds=self.spec.fault.detect_timeout_s))
@@ -162,6 +164,16 @@ def _alive(run_dir: Path, rank: int) -> bool:
         return alive(psutil.Process(starts[-1]["pid"]))
     except psutil.NoSuchProcess:
         return False
+
+
+def _fence(run_dir: Path, lost: list[int]) -> None:
+    """SIGKILL left-behind ranks that still run (a hung rank): it must not wake up and rejoin, nor outlive the run."""
+    import signal
+    for rank in lost:
+        starts = [e for e in EventReader(run_dir).poll() if e["type"] == "start" and e["rank"] == rank]
+        if starts and _alive(run_dir, rank):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(starts[-1]["pid"], signal.SIGKILL)
 
 
 def _agree(gen_dir: Path, me: int, expected: list[int]) -> list[int]:
