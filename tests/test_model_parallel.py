@@ -79,6 +79,15 @@ def test_schedules_and_the_replay_follow_the_textbook():
         split_layers(nn.Sequential(nn.Linear(2, 2)), 2)
 
 
+def test_a_2x2_mesh_holds_what_the_planner_estimates_and_trains_like_the_unsplit_pair():
+    from scalelab.experiments.planner import state_bytes_per_gpu
+    ranks = run_spmd(T + "mesh_2d_state", world=4, threads=1, timeout=180)
+    want = state_bytes_per_gpu(ranks[0]["params"], dp=2, tp=2, zero=3, param_bytes=4, grad_bytes=4, optim_bytes=8)
+    for r in ranks:  # FSDP on dp x DTensor on tp: a quarter of 16 bytes per parameter, the replicated bias aside
+        assert r["state_bytes"] == pytest.approx(want, rel=0.01), (r, want)
+        assert r["loss"] == pytest.approx(r["serial_loss"], rel=1e-5)
+
+
 def test_sharded_checkpoint_reshards_two_to_one_to_two_exactly(tmp_path):
     saved = run_spmd(T + "reshard_save", world=2, kwargs={"ckpt_dir": str(tmp_path / "two")})[0]
     one = run_spmd(T + "reshard_restore", world=1, kwargs={"ckpt_dir": str(tmp_path / "two"),

@@ -8,6 +8,7 @@
   `scalelab.train.tensor_parallel`, or a student's module with the same two autograd functions), against the
   serial layers: outputs and gradients, and the collectives it issued.
 - `dtensor_parallel_check`: the same split done by PyTorch's DTensor `parallelize_module`, against the serial layers.
+- `mesh_2d_state`: FSDP over DTensor tensor parallelism on a 2 x 2 mesh (4 ranks): the state each rank holds.
 - `pipeline_measure`: the MLP cut into one stage per rank, trained a few steps with a GPipe or 1F1B schedule;
   bubble fraction measured from each stage's compute timeline against (p-1)/(m+p-1), activations held, and the
   losses of the same steps trained unsplit on one process.
@@ -96,6 +97,40 @@ def dtensor_parallel_check(width: int = 64, batch: int = 8, seed: int = 0) -> di
     return {"rank": rank, "out_diff": float((y_par - y_serial).abs().max()), "grad_diffs": grads,
             "local_elements": sum(p.to_local().numel() for p in twin_pair.parameters()),
             "serial_elements": sum(p.numel() for p in pair.parameters()), "comm": counter.summary()}
+
+
+def mesh_2d_state(width: int = 128, batch: int = 8, seed: int = 0) -> dict:
+    """FSDP over tensor parallelism on a dp x tp = 2 x 2 mesh of 4 ranks (FSDP2 on the dp axis, DTensor's
+    column/row split on the tp axis) of a width x width MLP pair, one AdamW step: the state bytes this rank holds,
+    for the planner's estimate to be held against, and the loss against the unsplit pair's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from ..train.memory import state_bytes
+    world = dist.get_world_size()
+    if world != 4:
+        raise ValueError(f"mesh_2d_state runs on a 2 x 2 mesh: start it on 4 ranks, not {world}")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def pair():
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+
+    serial, model = pair(), pair()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2 * batch, width, generator=g)
+    dp_rank = mesh["dp"].get_local_rank()
+    loss = (model(x[dp_rank * batch:(dp_rank + 1) * batch]) ** 2).mean()  # each dp rank its half of the batch
+    loss.backward()
+    opt.step()
+    held = state_bytes(model, opt)
+    total = torch.tensor([float(loss.detach())], dtype=torch.float64)
+    dist.all_reduce(total)
+    return {"rank": dist.get_rank(), "params": sum(p.numel() for p in serial.parameters()), **held,
+            "loss": float(total) / world, "serial_loss": float((serial(x) ** 2).mean())}  # tp ranks: same loss
 
 
 def pipeline_measure(schedule: str = "gpipe", micro: int = 4, steps: int = 3, width: int = 1024, depth: int = 2,
@@ -248,5 +283,5 @@ def _digest(flat: dict) -> dict:
             for k, v in sorted(flat.items())}
 
 
-__all__ = ["tensor_parallel_check", "dtensor_parallel_check", "pipeline_measure", "pipeline_figure", "reshard_save",
-           "reshard_restore"]
+__all__ = ["tensor_parallel_check", "dtensor_parallel_check", "mesh_2d_state", "pipeline_measure", "pipeline_figure",
+           "reshard_save", "reshard_restore"]
