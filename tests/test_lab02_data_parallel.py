@@ -65,3 +65,17 @@ def _no_division(r):
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+def test_the_lab_at_two_nodes_launches_a_panel_run_across_them(nodes_cluster, tmp_path):
+    """The panel's nodes field at nodes = 2 on the namespace cluster: one rank on each node, learning like the
+    1-node runs (same global batch as 2 workers on one node)."""
+    params = {**grading_parameters(LAB), "nodes": 2, "out_dir": str(tmp_path / "runs")}
+    result = execute_notebook(LAB / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=LAB,
+                              cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
+    assert result.ok, result.error and result.error.details()
+    across, local = result.records["panel_two_nodes"], result.records["panel_runs"][-1]
+    assert across["hosts"] == ["node1", "node2"] and across["samples_per_s"] > 0
+    assert abs(across["final_loss"] - local["final_loss"]) < 0.5 * abs(local["final_loss"]) + 0.1  # it learns alike
