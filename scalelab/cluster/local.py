@@ -27,6 +27,7 @@ from pathlib import Path
 from .conf import (CTLD_PORT, SLURMD_PORT, StatePaths, detect_machine, gres_conf_text, node_usable, parse_scontrol,
                    slurm_conf_text, summarise)
 from ..errors import ClusterError
+from ..paths import cluster_state_dir
 from ..run.procs import kill_processes
 
 __all__ = ["LocalCluster", "default_state_dir", "slurm_conf_text"]
@@ -42,13 +43,9 @@ def default_state_dir() -> Path:
 
     Root's home is usually 0700: a state directory there would hide slurm.conf and the munge socket from the
     students whose jobs the hub submits, so the root default lives where every user can read it.
+    (`paths.cluster_state_dir`: the grader hides it from submissions too.)
     """
-    env = os.environ.get("SCALELAB_CLUSTER_DIR", "").strip()
-    if env:
-        return Path(env).expanduser()
-    if os.geteuid() == 0:
-        return Path("/var/lib/scalelab/cluster")
-    return Path.home() / ".cache" / "scalelab" / "cluster"
+    return cluster_state_dir()
 
 
 class LocalCluster:
