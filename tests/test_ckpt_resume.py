@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,12 +98,16 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
     _assert_same_params(resumed.run_dir, reference.run_dir)
 
 
-def test_a_corrupted_checkpoint_stops_the_resume_naming_the_file(tmp_path):
-    launch(tiny(tmp_path, "c", workers=1, **{"steps": 6, "checkpoint.every_steps": 5})).wait(timeout=120)
-    path = tmp_path / "c" / "checkpoints" / "step-00000005.pt"
+def _flip_a_byte(path: Path) -> None:
+    """Corrupt a checkpoint the way a bad disk does: one byte in the middle."""
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_checkpoint_stops_the_resume_naming_the_file(tmp_path):
+    launch(tiny(tmp_path, "c", workers=1, **{"steps": 6, "checkpoint.every_steps": 5})).wait(timeout=120)
+    _flip_a_byte(tmp_path / "c" / "checkpoints" / "step-00000005.pt")
     with pytest.raises(RunFailed, match=r"step-00000005\.pt is corrupted"):
         launch(tiny(tmp_path, "c", workers=1, **{"steps": 12, "checkpoint.every_steps": 5})).wait(timeout=120)
 
@@ -131,10 +136,7 @@ def test_time_slices_count_an_attempt_lost_at_start_up_and_name_the_failure_when
     # fails (here: resuming from a corrupted checkpoint) ends in RunTimeout naming the failure, not in a loop.
     from scalelab import run_in_time_slices
     launch(tiny(tmp_path, "lost", workers=1, **{"steps": 6, "checkpoint.every_steps": 5})).wait(timeout=120)
-    path = tmp_path / "lost" / "checkpoints" / "step-00000005.pt"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    _flip_a_byte(tmp_path / "lost" / "checkpoints" / "step-00000005.pt")
     spec = tiny(tmp_path, "lost", workers=1, **{"steps": 12, "checkpoint.every_steps": 5, "checkpoint.resume": True})
     with pytest.raises(RunTimeout, match=r"made no progress in 2 attempts.*the last one failed: .*is corrupted"):
         run_in_time_slices(spec, limit_s=60, max_attempts=2)

@@ -47,17 +47,22 @@ def browser():
         b.close()
 
 
+def sign_in_to_lab(page, hub, user: str) -> None:
+    """Sign in through the form; local mode has no spawn form: the server starts and the hub sends the browser to
+    JupyterLab."""
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("input[name=username]", user)
+    page.fill("input[name=password]", hub.password)
+    page.click("#login_submit")
+    page.wait_for_url(f"**/user/{user}/lab**", timeout=90_000)
+
+
 def test_log_in_start_lab_open_a_lab_and_run_a_cell(hub, browser):
     user = hub.user("stud")
     page = browser.new_page()
     page.set_default_timeout(60_000)
     try:
-        page.goto(f"{hub.url}/hub/login")
-        page.fill("input[name=username]", user)
-        page.fill("input[name=password]", hub.password)
-        page.click("#login_submit")
-        # local mode has no spawn form: the server starts, and the hub sends the browser to JupyterLab
-        page.wait_for_url(f"**/user/{user}/lab**", timeout=90_000)
+        sign_in_to_lab(page, hub, user)
         page.wait_for_selector(".jp-Launcher", timeout=90_000)
         assert page.locator(".jp-LauncherCard", has_text="Python 3 (scalelab course)").count() >= 1
         assert page.locator(".jp-DirListing-item", has_text="labs").count() == 1
@@ -132,11 +137,7 @@ def test_a_student_runs_all_of_lab_02_and_sees_the_panel_move_and_the_self_check
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     try:
-        page.goto(f"{hub.url}/hub/login")
-        page.fill("input[name=username]", user)
-        page.fill("input[name=password]", hub.password)
-        page.click("#login_submit")
-        page.wait_for_url(f"**/user/{user}/lab**", timeout=90_000)
+        sign_in_to_lab(page, hub, user)
         page.goto(f"{hub.url}/user/{user}/lab/tree/labs/02_data_parallel/lab.ipynb")
         page.wait_for_selector(".jp-Toolbar-kernelName:has-text('Python 3 (scalelab course)')", timeout=90_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
