@@ -6,6 +6,8 @@ Three ways to write the same thing, chosen by `checkpoint.mode` in a RunSpec:
     async    rank 0 snapshots to host memory, a background thread writes   (asynchronous.AsyncCheckpointer)
     sharded  every rank writes its part with torch.distributed.checkpoint, its async save on top
              (sharded.ShardedCheckpointer)
+    multilevel  rank 0 writes to a node-local tier, copied to the shared one in the background
+             (multilevel.MultiLevelCheckpointer)
 
 A checkpoint is `step-<N>.pt` (or the directory `step-<N>/` when sharded) plus an entry in `manifest.json`;
 the manifest is rewritten atomically after the checkpoint is complete, so a run killed mid-write leaves at
@@ -18,10 +20,11 @@ from pathlib import Path
 
 from .asynchronous import AsyncCheckpointer
 from .manifest import CheckpointError, best, read_manifest, verify
+from .multilevel import MultiLevelCheckpointer, default_local_dir
 from .sharded import ShardedCheckpointer, load_sharded
 from .sync import SyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 
-MODES = ("sync", "async", "sharded")
+MODES = ("sync", "async", "sharded", "multilevel")
 
 
 def build_checkpointer(ckpt, directory, rank: int = 0, world: int = 1):
@@ -31,6 +34,9 @@ def build_checkpointer(ckpt, directory, rank: int = 0, world: int = 1):
         return SyncCheckpointer(directory, writer=rank == 0, **common)
     if ckpt.mode == "async":
         return AsyncCheckpointer(directory, writer=rank == 0, **common)
+    if ckpt.mode == "multilevel":
+        local = ckpt.local_dir or default_local_dir(Path(directory).parent)
+        return MultiLevelCheckpointer(directory, local, writer=rank == 0, **common)
     if ckpt.mode == "sharded":
         return ShardedCheckpointer(directory, rank=rank, world=world, async_save=True, **common)
     raise CheckpointError(f"unknown checkpoint mode {ckpt.mode!r}; choose one of {', '.join(MODES)}")
@@ -44,4 +50,4 @@ def load_any(path, model, optimizer=None) -> int:
 
 __all__ = ["CheckpointError", "MODES", "build_checkpointer", "load_any", "latest_checkpoint", "load_checkpoint",
            "save_checkpoint", "read_manifest", "verify", "best", "SyncCheckpointer", "AsyncCheckpointer",
-           "ShardedCheckpointer", "load_sharded"]
+           "ShardedCheckpointer", "load_sharded", "MultiLevelCheckpointer", "default_local_dir"]

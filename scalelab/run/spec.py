@@ -127,13 +127,16 @@ class CheckpointSpec:
     mode: str = "sync"
     """sync: rank 0 writes atomically (temp file, fsync, rename) while all wait; async: rank 0 snapshots to
     host memory and writes in the background; sharded: every rank writes its part (torch.distributed.checkpoint,
-    asynchronously)."""
+    asynchronously); multilevel: rank 0 writes to a node-local tier (local_dir) while all wait, copied to the
+    shared checkpoints/ in the background; a restart reads the local tier when the node survived."""
     keep_last: int = 2
     """Newest checkpoints kept; older ones are deleted (unless kept as best)."""
     keep_best: int = 0
     """Also keep this many checkpoints with the lowest training loss."""
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir if there is one."""
+    local_dir: str = ""
+    """The node-local tier of mode multilevel (empty: /dev/shm/scalelab-ckpt-<hash of the run dir>)."""
     on_signal: bool = False
     """On SIGTERM or SIGUSR1 (preemption, a time limit near) the ranks agree at the next step, save an emergency
     checkpoint and exit cleanly (run status 'preempted'); a relaunch resumes from it exactly."""

@@ -19,7 +19,7 @@ LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 LR_SCALING = ("none", "linear", "sqrt")
 PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINT_MODES = ("sync", "async", "sharded")
+CHECKPOINT_MODES = ("sync", "async", "sharded", "multilevel")
 DATA_FORMATS = ("memory", "files", "shards", "hdf5")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("none", "raise", "exit", "kill", "hang", "slow")
@@ -125,6 +125,7 @@ RULES = {
     "checkpoint.keep_best": (int, _int_at_least(0, 1000)),
     "checkpoint.resume": (bool, None),
     "checkpoint.on_signal": (bool, None),
+    "checkpoint.local_dir": (str, None),
     "slurm.partition": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
     "slurm.account": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
     "slurm.reservation": (str, _regex(SLURM_WORD, "a Slurm name (letters, digits, '_', '.', '-')")),
@@ -282,6 +283,12 @@ def _resilience_checks(spec) -> None:
     if spec.world.max_restarts and spec.launcher != "torchrun":
         raise SpecError("world.max_restarts", f"got {spec.world.max_restarts} with launcher {spec.launcher!r}; "
                                               "only torchrun restarts workers: set launcher=torchrun or max_restarts=0")
+    if spec.checkpoint.local_dir and spec.checkpoint.mode != "multilevel":
+        raise SpecError("checkpoint.local_dir", f"is only used by checkpoint.mode=multilevel, not "
+                                                f"{spec.checkpoint.mode!r}: set the mode or leave local_dir empty")
+    if spec.checkpoint.mode == "multilevel" and spec.strategy not in ("ddp", "horovod"):
+        raise SpecError("checkpoint.mode", f"got 'multilevel' with strategy {spec.strategy!r}; it saves rank 0's "
+                                           "whole model (ddp, horovod): use mode=sharded for sharded models")
     if (spec.slurm.signal or spec.slurm.requeue) and not spec.checkpoint.on_signal:
         raise SpecError("slurm.signal" if spec.slurm.signal else "slurm.requeue",
                         "needs checkpoint.on_signal=true: without an emergency checkpoint a signalled or requeued "

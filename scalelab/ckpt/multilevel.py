@@ -1,0 +1,107 @@
+"""Multi-level checkpoints: a fast node-local tier written while training waits, copied in the background to the
+shared tier (`checkpoint.mode = "multilevel"`).
+
+A shared parallel file system is slow and contended; a node's own memory or SSD is fast but dies with the node.
+So rank 0 writes each checkpoint synchronously to the node-local directory (`checkpoint.local_dir`, by default
+under /dev/shm: memory) — the short stall — and a background thread copies the finished file, checksum-verified,
+into the shared `checkpoints/` directory with its own manifest entry. A restart reads the node-local tier when the
+node survived and holds the newest checkpoint, and the shared tier otherwise (a lost node, a new allocation).
+Both tiers are complete checkpoints in the same format, so nothing else cares which one it got.
+
+    ck = MultiLevelCheckpointer("runs/x/checkpoints", "/dev/shm/scalelab-x", keep_last=2)
+    ck.save(step, model, optimizer)      # blocks for the local write only
+    ck.completed()                       # copies to the shared tier that finished since the last call
+    ck.latest()                          # local if it has the newest step, else shared
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from .manifest import atomic_write, latest, read_manifest, record, verify
+from .sync import capture, load_checkpoint, write_checkpoint
+
+
+def default_local_dir(run_dir) -> Path:
+    """The node-local tier for a run: in memory (/dev/shm) when there is one, else the system's temp directory."""
+    import tempfile
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"scalelab-ckpt-{hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}"
+
+
+class MultiLevelCheckpointer:
+    """Rank 0 writes to the node-local tier now and copies to the shared tier in the background."""
+
+    mode = "multilevel"
+    needs_barrier = True  # the local write is synchronous: nobody runs ahead of it
+
+    def __init__(self, directory, local_dir, keep_last: int = 2, keep_best: int = 0, writer: bool = True):
+        self.directory, self.local_dir = Path(directory), Path(local_dir)
+        self.keep_last, self.keep_best, self.writer = keep_last, keep_best, writer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scalelab-flush") if writer else None
+        self._pending: list[tuple[int, float, Future]] = []
+
+    def save(self, step: int, model, optimizer, metric: float | None = None, extra: dict | None = None) -> dict:
+        """Write to the local tier (training waits for this), then queue the copy to the shared tier."""
+        t0 = time.perf_counter()
+        if not self.writer:
+            return {"step": step, "blocked_s": 0.0, "path": None, "bytes": 0}
+        path, size = write_checkpoint(self.local_dir, capture(step, model, optimizer, extra), self.keep_last,
+                                      self.keep_best, metric)
+        blocked = time.perf_counter() - t0
+        self._pending.append((step, time.perf_counter(), self._pool.submit(self._flush, path, size, metric)))
+        return {"step": step, "blocked_s": blocked, "path": str(path), "bytes": size, "tier": "local"}
+
+    def _flush(self, local: Path, size: int, metric) -> Path:
+        verify(local)  # never spread a torn local file to the shared tier
+        self.directory.mkdir(parents=True, exist_ok=True)
+        target = self.directory / local.name
+        with open(local, "rb") as src:
+            digest, written = atomic_write(target, lambda f: shutil.copyfileobj(src, f, 4 << 20))
+        entry = {"step": int(local.stem.split("-")[1]), "file": target.name, "kind": "file", "checksum": digest,
+                 "bytes": written}
+        if metric is not None:
+            entry["metric"] = float(metric)
+        record(self.directory, entry, self.keep_last, self.keep_best)
+        return target
+
+    def completed(self) -> list[dict]:
+        """Copies to the shared tier finished since the last call (raises a copy's error, naming the file)."""
+        done, still = [], []
+        for step, started, fut in self._pending:
+            if fut.done():
+                done.append({"step": step, "path": str(fut.result()), "flush_s": time.perf_counter() - started,
+                             "tier": "shared"})
+            else:
+                still.append((step, started, fut))
+        self._pending = still
+        return done
+
+    def latest(self) -> Path | None:
+        """The node-local tier's newest checkpoint when it is at least as new as the shared one, else the shared
+        one (a lost node or a fresh allocation has no local tier)."""
+        local, shared = latest(self.local_dir), latest(self.directory)
+        steps = {p: read_manifest(p.parent)[-1]["step"] for p in (local, shared) if p is not None}
+        if not steps:
+            return None
+        return max(steps, key=lambda p: (steps[p], p == local))
+
+    def restore(self, model, optimizer, path=None) -> int:
+        """Load the checkpoint `latest()` picks (or `path`); the step to continue from, 0 if there is none."""
+        path = path or self.latest()
+        return load_checkpoint(path, model, optimizer) if path else 0
+
+    def close(self) -> list[dict]:
+        """Wait for every copy to the shared tier; report them."""
+        for _, _, fut in self._pending:
+            fut.result()
+        done = self.completed()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        return done
+
+
+__all__ = ["MultiLevelCheckpointer", "default_local_dir"]
