@@ -92,7 +92,7 @@ def test_scaling_explorer_validates_runs_plots_and_keeps_history(tmp_path):
     rows = ex.run(timeout=120)
     assert [r["workers"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"]))
-    assert ex.plot.value[:4] == b"\x89PNG" and "speedup" in ex.table.value
+    assert ex.plot.value[:4] == b"\x89PNG" and "speedup" in ex.table.value and ex.plot.layout.display is None
     assert ex.save_figure(tmp_path / "f.png").endswith("f.png") and (tmp_path / "f.png").stat().st_size > 1000
     ex.mode.value, ex.global_batch.value = "strong", 32
     ex.run_button.click()  # the button runs the sweep in a thread; 2 x 16 is reused from the weak sweep
@@ -103,6 +103,7 @@ def test_scaling_explorer_validates_runs_plots_and_keeps_history(tmp_path):
 
 def test_the_explorer_opens_only_the_fields_its_mode_uses(tmp_path):
     ex = ScalingExplorer(preset="tiny", out_dir=str(tmp_path))
+    assert ex.plot.layout.display == "none"  # no empty image (a broken icon) before the first sweep
     ex.mode.value = "weak"
     assert not ex.workers.disabled and ex.batches.disabled and ex.global_batch.disabled
     ex.mode.value = "batch"

@@ -51,7 +51,7 @@ class ScalingExplorer:
         self.message = W.HTML()
         self.progress = W.HTML("idle")
         self.table = W.HTML()
-        self.plot = W.Image(format="png")
+        self.plot = W.Image(format="png", layout=W.Layout(display="none"))  # shown once a sweep has a figure
         self.run_button = W.Button(description="Run sweep", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         self.run_button.on_click(lambda _: self.start())
@@ -126,6 +126,7 @@ class ScalingExplorer:
         self.history.append({"mode": self.mode.value, "rows": self.rows})
         self.table.value = self.table_html()
         self.plot.value = png_bytes(self.figure())
+        self.plot.layout.display = None
         self.progress.value = f"done: {len(specs)} runs"
         return self.rows
 
