@@ -69,6 +69,10 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path)
     (lambda r: r.update(recovery_speedup=r["recovery_speedup"] * 2), "recovery_compared"),
     (lambda r: r.update(redone_steps=0), "recovery_compared"),
     (lambda r: r["hang"].update(errors={"1": "RuntimeError"}), "fault_runs_named_the_right_ranks"),
+    (lambda r: r["multilevel"].update(resumed_from=r["multilevel"]["resumed_from"].replace("checkpoints",
+                                                                                            "node-local")),
+     "multilevel_restart_reads_the_shared_tier"),
+    (lambda r: r["multilevel"].update(start_step=r["multilevel"]["start_step"] - 5), "multilevel_run_is_the_engine_run"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

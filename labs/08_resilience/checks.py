@@ -72,3 +72,12 @@ def recovery_compared(r):
     assert abs(r["recovery_speedup"] - e["training_again_s"] / f["training_again_s"]) < 1e-9 * r["recovery_speedup"]
     assert r["recovery_speedup"] > 1, "forward recovery was not faster than the restart"
     assert r["redone_steps"] == e["steps_redone"] > 0, f"redone_steps {r['redone_steps']!r}"
+
+
+@check(points=1, needs_run=True)
+def multilevel_restart_reads_the_shared_tier(r):
+    """Both tiers held every checkpoint; with the node-local tier gone the restart resumed from the shared one."""
+    m = r["multilevel"]
+    assert m["local"] == m["shared"] and m["shared"], f"local tier {m['local']}, shared tier {m['shared']}"
+    assert "node-local" not in m["resumed_from"] and m["start_step"] == m["shared"][-1], \
+        f"resumed from {m['resumed_from']} at step {m['start_step']}"

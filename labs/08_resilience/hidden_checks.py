@@ -55,3 +55,13 @@ def fault_runs_named_the_right_ranks(r):
     """The crash and hang records agree with the fault the runs injected, and the hang's errors came from rank 0."""
     assert r["crash"]["fault_rank"] == 1 and r["hang"]["fault_rank"] == 1
     assert set(r["hang"]["errors"]) == {"0"}, f"errors by rank: {r['hang']['errors']}"
+
+
+@check(points=1, needs_run=True)
+def multilevel_run_is_the_engine_run(r):
+    """The multilevel run's events show two launches, the second from the recorded step, to its last step."""
+    m = r["multilevel"]
+    found = evidence(r, m["run_dir"])
+    assert found["launches"] == 2 and found["start_step"] == m["start_step"], \
+        f"events: {found['launches']} launches, the last from step {found['start_step']}"
+    assert found["steps"] == r["lab08_params"]["steps"] + 2 * r["lab08_params"]["every"]

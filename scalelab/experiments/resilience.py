@@ -18,6 +18,7 @@ import random
 import signal
 import time
 
+from ..ckpt import read_manifest  # noqa: F401 - re-exported for the lab (the tiers of a multilevel run)
 from ..errors import RunFailed
 
 
@@ -188,4 +189,4 @@ def timeline_rows(events: list[dict]) -> dict[int, dict]:
 
 
 __all__ = ["fault_run", "last_steps", "checkpoint_cost", "young_interval", "daly_interval", "failure_trace",
-           "simulate", "interval_sweep", "signal_rank", "slurm_preempt", "recovery", "timeline_rows"]
+           "simulate", "interval_sweep", "signal_rank", "slurm_preempt", "recovery", "timeline_rows", "read_manifest"]
