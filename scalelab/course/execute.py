@@ -53,6 +53,9 @@ STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "malfo
 # papermill strips cells with this tag on re-execution; we tag our own markers with it too.
 MARKER_TAG = "papermill-error-cell-tag"
 INJECTED_TAG = "injected-parameters"
+#: Tags that steer execution rather than name a cell (a student copy's exercise cells go on when they raise):
+#: left out when a failure names the cell.
+PLUMBING_TAGS = ("raises-exception",)
 SELF_KERNEL = "scalelab-this-python"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _KILL_GRACE_S = 15.0  # how long papermill gets to save the notebook after its kernel is killed
@@ -330,7 +333,8 @@ def _make_error(status, path, out, found, cell_timeout, total_timeout, message) 
     cell = found.get("cell", {})
     src = cell.get("source", "")
     kw = {"cell_index": found.get("cell_index"), "cell_id": cell.get("id"),
-          "cell_tags": cell.get("metadata", {}).get("tags", []), "source": "".join(src) if isinstance(src, list) else src}
+          "cell_tags": [t for t in cell.get("metadata", {}).get("tags", []) if t not in PLUMBING_TAGS],
+          "source": "".join(src) if isinstance(src, list) else src}
     where = f"cell {kw['cell_index']} (id {kw['cell_id']!r}, tags {list(kw['cell_tags'])})"
     paths = (str(path), str(out))
     if status == "cell_error":
