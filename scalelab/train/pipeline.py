@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .partitioned import PartitionedModelStrategy
+
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -179,7 +181,7 @@ def typical_timeline(timeline: list) -> list:
     return [(op, i, 0.0, med[op]) for op, i, _, _ in timeline]
 
 
-class PipelineStrategy:
+class PipelineStrategy(PartitionedModelStrategy):
     """Strategy pp: the engine's MLP cut into one stage per rank (dp = 1: every stage sees the whole batch), each
     optimizer step's batch split into `pipeline.micro_batches` and run by `pipeline.schedule`.
 
@@ -248,28 +250,3 @@ class PipelineStrategy:
         parts = [None] * self.info.world_size
         dist.all_gather_object(parts, {k: v.cpu() for k, v in model.state_dict().items()})
         return {k: v for part in parts for k, v in part.items()}
-
-    def no_sync(self, model):
-        """Stages hold different parameters: nothing to synchronise."""
-        import contextlib
-        return contextlib.nullcontext()
-
-    def step(self, optimizer, scaler=None) -> None:
-        """Apply this stage's gradients."""
-        optimizer.step()
-
-    def take_comm_time(self) -> float:
-        """Send/recv waits are inside the schedule's step time: not separated here."""
-        return 0.0
-
-    def mean(self, value: float) -> float:
-        """Average a scalar over ranks."""
-        return self.base.mean(value)
-
-    def barrier(self) -> None:
-        """Wait for every rank."""
-        self.base.barrier()
-
-    def shutdown(self) -> None:
-        """Leave the process group."""
-        self.base.shutdown()

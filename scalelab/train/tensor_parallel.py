@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .partitioned import PartitionedModelStrategy
+
 
 class CopyToParallel(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward."""
@@ -112,7 +114,7 @@ def shard_of_serial_grads(first: nn.Linear, second: nn.Linear, rank: int, world:
             "second.bias": second.bias.grad.detach().clone()}
 
 
-class TensorParallelStrategy:
+class TensorParallelStrategy(PartitionedModelStrategy):
     """Strategy tp: the engine's MLP with each pair of hidden layers split column/row over all ranks (dp = 1:
     every rank sees the whole batch); the classifier head and an unpaired last hidden layer stay replicated,
     their gradients identical on every rank because f and g are exact.
@@ -165,28 +167,3 @@ class TensorParallelStrategy:
                 value = torch.cat(parts, dim=self.split_dims[name])
             out[name] = value
         return out
-
-    def no_sync(self, model):
-        """Shards are not replicas: nothing to synchronise between micro-batches."""
-        import contextlib
-        return contextlib.nullcontext()
-
-    def step(self, optimizer, scaler=None) -> None:
-        """Apply this rank's gradients (each shard's, and the replicated layers' identical ones)."""
-        optimizer.step()
-
-    def take_comm_time(self) -> float:
-        """The all-reduces run inside forward and backward: not separated here."""
-        return 0.0
-
-    def mean(self, value: float) -> float:
-        """Average a scalar over ranks."""
-        return self.base.mean(value)
-
-    def barrier(self) -> None:
-        """Wait for every rank."""
-        self.base.barrier()
-
-    def shutdown(self) -> None:
-        """Leave the process group."""
-        self.base.shutdown()
