@@ -160,9 +160,13 @@ class NodesCluster(LocalCluster):
         (self.state_dir / "nodes.json").write_text(json.dumps(self._shape()) + "\n")
 
     def _start_slurmd(self, node: str) -> None:
-        """slurmd -N node inside node's namespaces (it daemonises there; its pid file is run/slurmd-<node>.pid)."""
+        """slurmd -N node inside node's namespaces (it daemonises there; its pid file is run/slurmd-<node>.pid).
+
+        -c: a slurmd started here has no job of its own to keep (its node was down, or the cluster was), and a
+        credential cache left by a killed slurmd refuses the steps of new jobs that reuse a revoked job id ("Job
+        credential revoked" after a repair, seen in CI)."""
         self._start(f"slurmd@{node}", netns.node_command(node, self.hosts_file,
-                                                         ["slurmd", "-f", str(self.conf_path), "-N", node]))
+                                                         ["slurmd", "-c", "-f", str(self.conf_path), "-N", node]))
 
     def _check_owner(self) -> None:
         """One namespace cluster per machine (node names and addresses are fixed): refuse to take over a live one."""
