@@ -6,9 +6,12 @@ reference notebook under papermill at its grading parameters once per test modul
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +58,17 @@ def failures(results) -> list[str]:
     """Readable lines for every check that did not fully pass."""
     return [f"{r.name}: {r.outcome} {r.points}/{r.max_points} {r.message}" for r in results if r.outcome != "pass"]
 
+
+
+@contextlib.contextmanager
+def busy_core():
+    """A process burning one core for as long as the block runs (a loaded laptop, a shared login node)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
 
 
 def run_reference(lab_dir: Path, out: Path, cell_timeout: float, total_timeout: float,

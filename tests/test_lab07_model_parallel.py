@@ -2,15 +2,12 @@
 stops at the first exercise and grades far below; a wrong or forged record fails the check that guards it."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from scalelab.course.execute import execute_notebook
 
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
-                      student_copy)
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, busy_core, grade, grading_parameters,
+                      run_reference, student_copy)
 
 LAB = ROOT / "labs" / "07_model_parallel"
 pytestmark = pytest.mark.slow
@@ -20,13 +17,9 @@ pytestmark = pytest.mark.slow
 def reference(tmp_path_factory):
     """The reference notebook executed once with lab.yaml's grading parameters, with a process burning a core
     beside it the whole time (a loaded laptop, a shared login node): (records, seconds)."""
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_core():
         return run_reference(LAB, tmp_path_factory.mktemp("lab07"), cell_timeout=200, total_timeout=360,
                              runs_in_out=True)
-    finally:
-        burner.kill()
-        burner.wait()
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
