@@ -13,7 +13,7 @@ def checkpoint_cost_is_the_runs(r):
     found = evidence(r, r["reference_run_dir"])
     assert found["checkpoints"] > 0, "the reference run's events show no checkpoint"
     assert found["world_size"] == r["lab08_params"]["workers"], "the reference ran another number of ranks"
-    close(found["blocked_s"] / found["checkpoints"], r["ckpt_s"], rel=1e-6, what="checkpoint cost")
+    close(found["blocked_s"] / found["checkpoints"], r["ckpt_s"], rel=1e-4, what="checkpoint cost")  # summed in another order
 
 
 @check(points=2, needs_run=True)
