@@ -73,7 +73,9 @@ pick_python
 stamp_key() {  # hash of everything that decides what gets installed
   local pyver
   pyver=$("$VENV/bin/python" -c 'import sys; print(sys.version)')
-  { cat pyproject.toml; echo "--- constraints"; cat "$CONSTRAINTS"; echo "--- extras $EXTRAS"; echo "--- python $pyver"; } \
+  # the checkout too: the editable install points at it, and a venv another checkout installed into imports that one
+  { cat pyproject.toml; echo "--- constraints"; cat "$CONSTRAINTS"; echo "--- extras $EXTRAS"; echo "--- python $pyver"
+    echo "--- checkout $(pwd -P)"; } \
     | sha256sum | cut -c1-16
 }
 
