@@ -11,6 +11,13 @@ plumbing is `scalelab.cluster.netns`, the slurm.conf text `conf.multinode_conf_t
 stand-in files under the state directory: Slurm schedules them and sets CUDA_VISIBLE_DEVICES for real; compute
 falls back to the CPU. `up()` after a crash (daemons killed -9, namespaces left behind) removes what is left and
 starts afresh; `down()` leaves no namespace, link, mount or daemon.
+
+Each node has its own memory file system: slurmd mounts a fresh tmpfs on /dev/shm in its node's mount namespace,
+so the job steps on node1 and node2 see different /dev/shm (node-local storage, as on real nodes: the multilevel
+checkpoint tier), and it vanishes with the node's last process. `lose_node(name)` plays a crashed node: every
+process on it killed with SIGKILL (slurmd, job steps, ranks), its /dev/shm gone with them, and slurmctld told at
+once that the node is DOWN (what it would find by itself SlurmdTimeout seconds later); a job on it ends NODE_FAIL.
+`restore_node(name)` (or `up()`) brings it back: a fresh namespace, slurmd and empty /dev/shm, then RESUME.
 """
 from __future__ import annotations
 
@@ -68,7 +75,9 @@ class NodesCluster(LocalCluster):
         return self.state_dir / "hosts"
 
     def _shape(self) -> dict:
-        return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "link_rate": self.link_rate}
+        # "node_shm": a cluster started before each node had its own /dev/shm is not this shape: started afresh
+        return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "link_rate": self.link_rate,
+                "node_shm": "tmpfs"}
 
     def _saved(self) -> dict:
         try:
@@ -165,8 +174,11 @@ class NodesCluster(LocalCluster):
         -c: a slurmd started here has no job of its own to keep (its node was down, or the cluster was), and a
         credential cache left by a killed slurmd refuses the steps of new jobs that reuse a revoked job id ("Job
         credential revoked" after a repair, seen in CI)."""
-        self._start(f"slurmd@{node}", netns.node_command(node, self.hosts_file,
-                                                         ["slurmd", "-c", "-f", str(self.conf_path), "-N", node]))
+        # its own /dev/shm (node-local memory): private to this node's mount namespace, gone with its last process
+        own_shm = ["sh", "-c", 'mount -t tmpfs -o mode=1777 "$1" /dev/shm && shift && exec "$@"', "sh",
+                   f"shm-{node}"]
+        self._start(f"slurmd@{node}", netns.node_command(
+            node, self.hosts_file, [*own_shm, "slurmd", "-c", "-f", str(self.conf_path), "-N", node]))
 
     def _check_owner(self) -> None:
         """One namespace cluster per machine (node names and addresses are fixed): refuse to take over a live one."""
@@ -314,6 +326,21 @@ class NodesCluster(LocalCluster):
         if node not in self.node_names:
             raise ClusterError(f"no node {node!r}: this cluster has {', '.join(self.node_names)}")
         netns.kill_node(node)
+
+    def lose_node(self, node: str, reason: str = "lost (scalelab lose_node)") -> None:
+        """A crashed node: every process on it SIGKILLed, its /dev/shm gone with them, and the node DOWN in
+        slurmctld now (it would mark it so itself after SlurmdTimeout): its jobs end NODE_FAIL, new jobs avoid it."""
+        self.kill_node(node)
+        r = self.run("scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}", check=False)
+        if r.returncode:
+            raise ClusterError(f"slurmctld refused to mark {node} DOWN: {r.stderr.strip()}")
+
+    def restore_node(self, node: str, timeout: float = 90) -> None:
+        """Bring a lost node back (fresh namespace, slurmd, empty /dev/shm) and RESUME it; returns once a job step
+        runs on every node again."""
+        if node not in self.node_names:
+            raise ClusterError(f"no node {node!r}: this cluster has {', '.join(self.node_names)}")
+        self.up(timeout=timeout)  # repairs only the nodes whose slurmd is gone; resumes DOWN ones
 
 
 __all__ = ["NodesCluster", "default_nodes_state_dir", "CTLD_PORT", "SLURMD_PORT"]

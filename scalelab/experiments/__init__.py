@@ -20,6 +20,8 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `planner`        (lab 07) dp x tp x pp on nodes x GPUs: memory, traffic, links (ParallelismPlanner's core).
 - `resilience`     (lab 08) faults and their detection, checkpoint cost and Young's interval against a simulated
                    failure trace, a signal to one rank (preemption), recovery times read off a run's events.
+- `resilience_nodes` (lab 08) on the namespace cluster: a rank lost (restart from the node-local tier) vs a whole
+                   node lost (restart on the survivor from the shared tier).
 - `plots`          the labs' figures (matplotlib object API, PNG).
 
 Lab-only measurement code lives here and nowhere else: `scalelab.data` and `scalelab.ckpt` are the engine's.
