@@ -40,7 +40,7 @@ def build_workload(spec, device: torch.device | None = None, dataset=None) -> Wo
     x0, _ = dataset[0]
     classes = int(dataset.tensors[1].max()) + 1
     model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, spec.seed).to(device)
-    optimizer = build_optimizer(spec.optim, model.parameters(), scaled_lr(spec.optim, spec.global_batch))
+    optimizer = build_optimizer(spec.optim, model, scaled_lr(spec.optim, spec.global_batch))
     return Workload(spec, dataset, model, optimizer, device)
 
 

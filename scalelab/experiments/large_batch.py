@@ -60,7 +60,7 @@ def train_run(spec, batch: int, lr: float, samples: int, optimizer: str = "sgd",
     spec = spec.with_overrides({"optim.name": optimizer, "optim.batch_per_worker": batch, "optim.lr": float(lr),
                                 "optim.lr_scaling": "none", "optim.warmup_steps": 0, "world.workers_per_node": 1})
     wl = build_workload(spec, device=torch.device("cpu"), dataset=dataset)
-    opt = build_optimizer(spec.optim, wl.model.parameters(), lr)
+    opt = build_optimizer(spec.optim, wl.model, lr)
     steps = max(1, samples // batch)
     curve, batches = [], _batches(wl.dataset, batch, spec.seed)
     for step in range(steps):

@@ -20,8 +20,17 @@ def lr_at(step: int, peak: float, warmup_steps: int) -> float:
     return peak
 
 
-def build_optimizer(optim, params, peak_lr: float) -> torch.optim.Optimizer:
-    """The optimizer the spec names; LARS and LAMB come from pytorch-optimizer."""
+def build_optimizer(optim, model: torch.nn.Module, peak_lr: float) -> torch.optim.Optimizer:
+    """The optimizer the spec names for `model`'s parameters; LARS and LAMB come from pytorch-optimizer, K-FAC
+    from scalelab.train.kfac (it hooks the model's layers, so it takes the model, not a parameter list)."""
+    if optim.name == "kfac":
+        from .kfac import KFAC
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("optim.name=kfac needs the model (it hooks its layers), not a list of parameters")
+        return KFAC(model, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay,
+                    damping=optim.kfac_damping, factor_every=optim.kfac_factor_every, inv_every=optim.kfac_inv_every,
+                    kl_clip=optim.kfac_kl_clip, grad_worker_fraction=optim.kfac_grad_worker_fraction)
+    params = model.parameters() if isinstance(model, torch.nn.Module) else model
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
     if optim.name == "adamw":
