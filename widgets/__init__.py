@@ -16,6 +16,7 @@ _WIDGETS = {
     "SelfCheck": "self_check",
     "ClusterStatus": "cluster_status",
     "ParallelismPlanner": "parallelism_planner",
+    "Timeline": "timeline",
 }
 
 
