@@ -77,6 +77,7 @@ _OUT_OF_RANGE = {
     "slurm.time": "forever", "slurm.gpus_per_node": -1, "slurm.cpus_per_task": 0, "slurm.mem": "lots",
     "fault.kind": "meteor", "fault.rank": -2, "fault.step": -1, "fault.node": -2, "fault.slow_s": -1.0,
     "fault.detect_timeout_s": 0.5, "fault.recovery": "pray", "world.max_restarts": -1, "slurm.signal": "KILL",
+    "world.min_workers": -1, "world.commit_every": 0, "world.rejoin_s": 3601,
     "steps": 0, "epochs": -1, "seed": -5,
     "log_every": 0, "fsdp.sharding": "zero9", "pipeline.schedule": "zigzag",
     "pipeline.micro_batches": 0,

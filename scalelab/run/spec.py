@@ -91,7 +91,17 @@ class WorldSpec:
     every rank's threads). GPU collectives always block."""
     max_restarts: int = 0
     """torchrun: how often the agent restarts the workers after one fails, each restart resuming from the newest
-    checkpoint (elastic, c10d rendezvous; 0: a failure ends the run)."""
+    checkpoint (elastic, c10d rendezvous; 0: a failure ends the run). horovodrun with strategy horovod: Horovod
+    elastic (`hvd.elastic.run`): after a worker is lost the survivors roll back to the last commit, re-form and go
+    on, at most this many times (--reset-limit; see min_workers, commit_every, rejoin_s)."""
+    min_workers: int = 0
+    """Horovod elastic: the fewest workers the run goes on with after losing some (--min-np; 0: one)."""
+    commit_every: int = 1
+    """Horovod elastic: commit the state (model, optimizer, step) to host memory every N steps; a lost worker
+    rolls the survivors back to the last commit (larger N: less copying, more steps redone)."""
+    rejoin_s: int = 0
+    """Horovod elastic: seconds a host whose worker failed stays out before a worker may start there again and
+    join from the committed state (--blacklist-cooldown-range); 0: never, the survivors finish the run."""
 
 
 @dataclass

@@ -108,6 +108,9 @@ RULES = {
     "world.malloc": (str, _choice(MALLOC_POLICIES)),
     "world.wait": (str, _choice(WAITS)),
     "world.max_restarts": (int, _int_at_least(0, 100)),
+    "world.min_workers": (int, _int_at_least(0, 1024)),
+    "world.commit_every": (int, _int_at_least(1, 1_000_000)),
+    "world.rejoin_s": (int, _int_at_least(0, 3600)),
     "launcher": (str, _choice(LAUNCHERS)),
     "optim.name": (str, _choice(OPTIMIZERS)),
     "optim.batch_per_worker": (int, _int_at_least(1, 1_000_000)),
@@ -217,7 +220,7 @@ def _cross_checks(spec) -> None:
             raise SpecError("data.path", "is empty but data.source is 'path'; give a .npz file with arrays x and y")
         if not Path(spec.data.path).suffix == ".npz":
             raise SpecError("data.path", f"got {spec.data.path!r}; expected a .npz file with arrays x (N,C,H,W) and y (N,)")
-    if spec.world.nodes > 1 and spec.launcher not in ("slurm", "srun", "mpirun"):
+    if spec.world.nodes > 1 and spec.launcher not in ("slurm", "srun", "mpirun") and not horovod_elastic(spec):
         raise SpecError("world.nodes", f"got {spec.world.nodes}; more than one node needs launcher slurm (srun "
                                        f"inside an allocation, or mpirun with a hostfile), not {spec.launcher!r}")
     if spec.strategy == "horovod" and spec.launcher in ("local", "torchrun"):
@@ -280,9 +283,12 @@ def _resilience_checks(spec) -> None:
         raise SpecError("fault.recovery", f"got 'forward' with strategy {spec.strategy!r} and launcher "
                                           f"{spec.launcher!r}; forward recovery re-forms a torch.distributed group "
                                           "of ranks on this machine: use strategy=ddp, launcher=local")
-    if spec.world.max_restarts and spec.launcher != "torchrun":
-        raise SpecError("world.max_restarts", f"got {spec.world.max_restarts} with launcher {spec.launcher!r}; "
-                                              "only torchrun restarts workers: set launcher=torchrun or max_restarts=0")
+    if spec.world.max_restarts and spec.launcher != "torchrun" and not horovod_elastic(spec):
+        raise SpecError("world.max_restarts", f"got {spec.world.max_restarts} with launcher {spec.launcher!r} and "
+                                              f"strategy {spec.strategy!r}; only torchrun and Horovod elastic "
+                                              "(strategy=horovod, launcher=horovodrun) outlive a lost worker: set one "
+                                              "of them, or max_restarts=0")
+    _horovod_elastic_checks(spec)
     if spec.checkpoint.local_dir and spec.checkpoint.mode != "multilevel":
         raise SpecError("checkpoint.local_dir", f"is only used by checkpoint.mode=multilevel, not "
                                                 f"{spec.checkpoint.mode!r}: set the mode or leave local_dir empty")
@@ -293,6 +299,40 @@ def _resilience_checks(spec) -> None:
         raise SpecError("slurm.signal" if spec.slurm.signal else "slurm.requeue",
                         "needs checkpoint.on_signal=true: without an emergency checkpoint a signalled or requeued "
                         "job loses the work since its last checkpoint")
+
+
+def horovod_elastic(spec) -> bool:
+    """Whether `spec` asks for Horovod elastic: strategy horovod under horovodrun with world.max_restarts > 0."""
+    return spec.strategy == "horovod" and spec.launcher == "horovodrun" and spec.world.max_restarts > 0
+
+
+def _horovod_elastic_checks(spec) -> None:
+    """Horovod elastic (train/hvd_elastic.py): its fields only with it; a state that lives in memory."""
+    w = spec.world
+    if not horovod_elastic(spec):
+        for name, default in (("min_workers", 0), ("commit_every", 1), ("rejoin_s", 0)):
+            if getattr(w, name) != default:
+                raise SpecError(f"world.{name}", f"got {getattr(w, name)}, but it is only used by Horovod elastic: "
+                                                 "set strategy=horovod, launcher=horovodrun and world.max_restarts > 0, "
+                                                 f"or leave world.{name}={default}")
+        return
+    if w.min_workers > spec.world_size:
+        raise SpecError("world.min_workers", f"got {w.min_workers}, more than the {spec.world_size} workers the run "
+                                             f"starts with: lower it (0: go on with one) or raise world.workers_per_node")
+    if spec.fault.kind == "hang":
+        raise SpecError("fault.kind", "got 'hang' with Horovod elastic: its driver only notices a worker that exits, "
+                                      "so a hung one stalls the re-formed group until --elastic-timeout; use kind "
+                                      "kill, exit or raise (or strategy=ddp with fault.recovery=forward, which fences "
+                                      "a hung rank)")
+    if spec.checkpoint.every_steps or spec.checkpoint.on_signal:
+        raise SpecError("checkpoint.every_steps" if spec.checkpoint.every_steps else "checkpoint.on_signal",
+                        "is not used with Horovod elastic: its state is committed in host memory every "
+                        "world.commit_every steps instead; set checkpoint.every_steps=0 and checkpoint.on_signal=false")
+    if spec.data.format != "memory" or spec.optim.grad_accum != 1 or spec.precision == "fp16":
+        field = ("data.format" if spec.data.format != "memory" else
+                 "optim.grad_accum" if spec.optim.grad_accum != 1 else "precision")
+        raise SpecError(field, "Horovod elastic trains on in-memory data, one micro-batch per step, in fp32 or bf16: "
+                               "set data.format=memory, optim.grad_accum=1 and precision fp32 or bf16")
 
 
 def _fsdp_checks(spec) -> None:

@@ -33,12 +33,19 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = load(args.spec)
     info = rank_info()
+    from .hvd_elastic import claim_worker, is_elastic
+    elastic = is_elastic(spec)
+    if elastic:  # Horovod may start a worker later at a rank in use: it gets an event file of its own
+        info = claim_worker(spec, info)
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         redirect_output(os.path.join(args.log_dir, f"rank-{info.rank}.log"))
     events = EventWriter(spec.output_dir, info.rank)
     try:
-        from .loop import train
+        if elastic:
+            from .hvd_elastic import train
+        else:
+            from .loop import train
         train(spec, info, events)
         return 0
     except BaseException as e:  # noqa: BLE001 - report every failure (even KeyboardInterrupt) before exiting
