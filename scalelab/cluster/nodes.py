@@ -16,7 +16,8 @@ Each node has its own memory file system: slurmd mounts a fresh tmpfs on /dev/sh
 so the job steps on node1 and node2 see different /dev/shm (node-local storage, as on real nodes: the multilevel
 checkpoint tier), and it vanishes with the node's last process. `lose_node(name)` plays a crashed node: every
 process on it killed with SIGKILL (slurmd, job steps, ranks), its /dev/shm gone with them, and slurmctld told at
-once that the node is DOWN (what it would find by itself SlurmdTimeout seconds later); a job on it ends NODE_FAIL.
+once that the node is DOWN (what it would find by itself SlurmdTimeout seconds later): slurmctld requeues a batch
+job that ran there ("requeue job due to failure of node", batch jobs are requeueable by default) and kills the rest.
 `restore_node(name)` (or `up()`) brings it back: a fresh namespace, slurmd and empty /dev/shm, then RESUME.
 """
 from __future__ import annotations
@@ -329,7 +330,7 @@ class NodesCluster(LocalCluster):
 
     def lose_node(self, node: str, reason: str = "lost (scalelab lose_node)") -> None:
         """A crashed node: every process on it SIGKILLed, its /dev/shm gone with them, and the node DOWN in
-        slurmctld now (it would mark it so itself after SlurmdTimeout): its jobs end NODE_FAIL, new jobs avoid it."""
+        slurmctld now (it would mark it so itself after SlurmdTimeout): its batch jobs are requeued, new jobs avoid it."""
         self.kill_node(node)
         r = self.run("scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}", check=False)
         if r.returncode:
