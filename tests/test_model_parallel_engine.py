@@ -49,10 +49,10 @@ def test_tensor_parallel_mlp_trains_like_ddp_with_half_the_weights_per_rank(tmp_
     ({"strategy": "pp"}, "model.name", "model.name=mlp"),
     ({"strategy": "pp", "model.name": "mlp", "world.workers_per_node": 1}, "world.workers_per_node", "2 to 3"),
     ({"strategy": "pp", "model.name": "mlp", "pipeline.micro_batches": 5}, "pipeline.micro_batches", "divide"),
-    ({"strategy": "pp", "model.name": "mlp", "checkpoint.every_steps": 2}, "checkpoint.every_steps", "=0"),
+    ({"strategy": "pp", "model.name": "mlp", "checkpoint.every_steps": 2}, "checkpoint.mode", "mode=sharded"),
     ({"pipeline.schedule": "interleaved"}, "pipeline.schedule", "1f1b"),
     ({"strategy": "tp", "model.name": "mlp", "model.width": 33}, "model.width", "divide"),
-    ({"strategy": "tp", "model.name": "cnn"}, "model.name", "model.name=mlp"),
+    ({"strategy": "tp", "model.name": "cnn"}, "model.name", "model.name=mlp or model.name=transformer"),
 ])
 def test_a_bad_pipeline_setting_names_the_field_and_the_fix(tmp_path, changes, field, hint):
     with pytest.raises(SpecError) as err:

@@ -80,7 +80,7 @@ _OUT_OF_RANGE = {
     "world.min_workers": -1, "world.commit_every": 0, "world.rejoin_s": 3601,
     "steps": 0, "epochs": -1, "seed": -5,
     "log_every": 0, "fsdp.sharding": "zero9", "pipeline.schedule": "zigzag",
-    "pipeline.micro_batches": 0,
+    "pipeline.micro_batches": 0, "parallel.tp": 0, "parallel.pp": 0,
 }
 
 

@@ -189,12 +189,25 @@ class FSDPSpec:
 
 @dataclass
 class PipelineSpec:
-    """How strategy pp runs the stages: one stage per rank, every stage sees the whole batch."""
+    """How the pipeline runs its stages (strategy pp: one stage per rank; 3d: parallel.pp stages)."""
 
     schedule: str = "1f1b"
     """gpipe (every forward, then every backward) or 1f1b (one forward, one backward once the pipe is full)."""
     micro_batches: int = 4
     """Micro-batches each batch is cut into; the bubble is (stages - 1) / (micro_batches + stages - 1)."""
+
+
+@dataclass
+class ParallelSpec:
+    """The device mesh of strategy 3d: world size = dp x pp x tp, ranks grouped as Megatron does (tp innermost,
+    then pp, then dp: rank = (d * pp + p) * tp + t); dp = world size / (tp x pp) data-parallel replicas, each
+    reading its own part of the global batch."""
+
+    tp: int = 1
+    """Tensor-parallel ranks per group: each layer split over them (mlp hidden pairs column/row, transformer
+    attention heads and MLP), with all-reduces inside every layer (keep them inside a node)."""
+    pp: int = 1
+    """Pipeline stages: the model's layers cut into pp consecutive stages (send/recv between them, see pipeline)."""
 
 
 @dataclass
@@ -234,8 +247,8 @@ class RunSpec:
     """The data and its loader."""
     strategy: str = "ddp"
     """ddp (torch DistributedDataParallel), horovod, fsdp (FSDP2: state sharded over the ranks, see fsdp) or pp
-    (the mlp cut into one pipeline stage per rank, see pipeline) or tp (the mlp's hidden layers split column/row
-    over the ranks)."""
+    (the mlp or transformer cut into one pipeline stage per rank, see pipeline) or tp (its layers split over the
+    ranks: column/row, attention heads) or 3d (data x pipeline x tensor parallel on one mesh, see parallel)."""
     backend: str = "auto"
     """auto (nccl with CUDA, gloo without), gloo, nccl, or mpi (Horovod's MPI controller)."""
     device: str = "auto"
@@ -257,7 +270,9 @@ class RunSpec:
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     """Sharding of strategy fsdp (ignored by the others)."""
     pipeline: PipelineSpec = field(default_factory=PipelineSpec)
-    """Schedule and micro-batches of strategy pp (ignored by the others)."""
+    """Schedule and micro-batches of strategies pp and 3d (ignored by the others)."""
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    """tp x pp of strategy 3d (ignored by the others; dp is what the world size leaves)."""
     steps: int = 20
     """Optimizer steps to run (ignored when epochs > 0)."""
     epochs: int = 0
@@ -313,11 +328,23 @@ class RunSpec:
         return self.world.workers_per_node * self.world.nodes
 
     @property
+    def mesh(self) -> tuple[int, int, int]:
+        """(dp, tp, pp): data-parallel replicas, tensor-parallel ranks per group, pipeline stages. tp and pp use
+        the whole world (dp = 1); 3d reads `parallel` (dp = world size / (tp x pp), at least 1); others are dp."""
+        w = self.world_size
+        if self.strategy == "tp":
+            return 1, w, 1
+        if self.strategy == "pp":
+            return 1, 1, w
+        if self.strategy == "3d":
+            return max(w // (self.parallel.tp * self.parallel.pp), 1), self.parallel.tp, self.parallel.pp
+        return w, 1, 1
+
+    @property
     def global_batch(self) -> int:
-        """Samples per optimizer step over all ranks (pipeline stages and tensor-parallel
-        ranks share one batch: dp = 1)."""
-        data_parallel = 1 if self.strategy in ("pp", "tp") else self.world_size
-        return self.optim.batch_per_worker * self.optim.grad_accum * data_parallel
+        """Samples per optimizer step over all ranks: batch_per_worker x grad_accum x data-parallel replicas
+        (the ranks of one replica's pipeline stages and tensor-parallel groups share its batch)."""
+        return self.optim.batch_per_worker * self.optim.grad_accum * self.mesh[0]
 
     def validate(self) -> "RunSpec":
         """Check every field; raise SpecError naming the first bad one. Returns self."""
@@ -328,7 +355,7 @@ class RunSpec:
 # -- dict / file round trip -----------------------------------------------------------------------
 _NESTED = {"model": ModelSpec, "data": DataSpec, "world": WorldSpec, "optim": OptimSpec,
            "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec, "fsdp": FSDPSpec,
-           "pipeline": PipelineSpec}
+           "pipeline": PipelineSpec, "parallel": ParallelSpec}
 
 
 def _build(cls, data: Any, prefix: str):

@@ -11,7 +11,7 @@ from ..errors import SpecError
 # The allowed values of every choice field: owned here, re-exported by scalelab.run.spec.
 MODELS = ("cnn", "mlp", "transformer")
 DATA_SOURCES = ("heat", "digits", "path")
-STRATEGIES = ("ddp", "horovod", "fsdp", "pp", "tp")
+STRATEGIES = ("ddp", "horovod", "fsdp", "pp", "tp", "3d")
 SCHEDULES = ("gpipe", "1f1b")
 SHARDINGS = ("full", "grad_op", "none")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
@@ -149,6 +149,8 @@ RULES = {
     "fsdp.reshard_after_forward": (bool, None),
     "pipeline.schedule": (str, _choice(SCHEDULES)),
     "pipeline.micro_batches": (int, _int_at_least(1, 1024)),
+    "parallel.tp": (int, _int_at_least(1, 1024)),
+    "parallel.pp": (int, _int_at_least(1, 1024)),
     "steps": (int, _int_at_least(1, 10_000_000)),
     "epochs": (int, _int_at_least(0, 100_000)),
     "seed": (int, _int_at_least(0, 2**31 - 1)),
@@ -257,13 +259,12 @@ def _cross_checks(spec) -> None:
         raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
                                        "system: set data.format to files, shards or hdf5")
     _fsdp_checks(spec)
-    _pipeline_checks(spec)
-    _tensor_parallel_checks(spec)
+    _mesh_checks(spec)
     if spec.model.activation_checkpointing and spec.model.name != "transformer":
         raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers, "
                                                           f"not model.name={spec.model.name!r}: set model.name="
                                                           "transformer or activation_checkpointing=false")
-    if spec.checkpoint.mode == "sharded" and spec.strategy not in ("ddp", "fsdp"):
+    if spec.checkpoint.mode == "sharded" and spec.strategy == "horovod":
         raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
@@ -348,39 +349,46 @@ def _fsdp_checks(spec) -> None:
                                            "checkpoint.mode=sharded")
 
 
-def _pipeline_checks(spec) -> None:
-    """Strategy pp: the mlp's layers over at least two torch.distributed ranks, whole micro-batches."""
-    if spec.strategy != "pp":
+def _mesh_checks(spec) -> None:
+    """Strategies tp, pp and 3d: a dp x pp x tp mesh that the world size fills, a model it can cut, whole
+    micro-batches, torch.distributed ranks, and checkpoints that every rank writes its own part of."""
+    if spec.strategy not in ("tp", "pp", "3d"):
         return
-    if spec.model.name != "mlp":
-        raise SpecError("model.name", f"got {spec.model.name!r} with strategy 'pp'; the pipeline cuts the mlp's "
-                                      "layers into stages: set model.name=mlp")
-    if spec.world_size < 2 or spec.world_size > spec.model.depth + 1:
-        raise SpecError("world.workers_per_node", f"got {spec.world_size} ranks for strategy 'pp'; a pipeline needs "
-                                                  f"2 to {spec.model.depth + 1} stages for an mlp of depth "
-                                                  f"{spec.model.depth} (raise model.depth for more)")
-    if spec.launcher == "horovodrun" or spec.checkpoint.every_steps:
-        raise SpecError("launcher" if spec.launcher == "horovodrun" else "checkpoint.every_steps",
-                        "strategy 'pp' runs on torch.distributed ranks without checkpoints for now: use launcher "
-                        "local, torchrun, mpirun or slurm, and checkpoint.every_steps=0")
-    if spec.optim.batch_per_worker % spec.pipeline.micro_batches:
+    dp, tp, pp = spec.mesh
+    name, depth, width = spec.model.name, spec.model.depth, spec.model.width
+    if spec.strategy == "3d" and spec.world_size % (tp * pp):
+        raise SpecError("parallel.tp", f"parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp} does not divide the "
+                                       f"world of {spec.world_size} ranks (world.nodes x world.workers_per_node), so "
+                                       "dp = world / (tp x pp) is not whole: choose tp and pp whose product divides "
+                                       f"{spec.world_size}, or a world that is a multiple of {tp * pp}")
+    if name not in ("mlp", "transformer"):
+        raise SpecError("model.name", f"got {name!r} with strategy {spec.strategy!r}; tensor and pipeline "
+                                      "parallelism cut the mlp's or the transformer's layers: set model.name=mlp or "
+                                      "model.name=transformer")
+    if spec.strategy in ("tp", "pp") and spec.world_size < 2:
+        raise SpecError("world.workers_per_node", f"got {spec.world_size} ranks for strategy {spec.strategy!r}; "
+                                                  f"it needs 2 to {depth + 1} ranks (raise model.depth for more)")
+    most = depth + 1 if name == "mlp" else depth + 2  # transformer: its blocks, the embedding and the head
+    if pp > most:
+        raise SpecError("parallel.pp" if spec.strategy == "3d" else "world.workers_per_node",
+                        f"got {pp} pipeline stages; a {name} of depth {depth} is cut into at most {most} stages "
+                        "(raise model.depth for more)")
+    if tp > 1 and name == "mlp" and (depth < 2 or width % tp):
+        raise SpecError("model.width" if depth >= 2 else "model.depth",
+                        f"tensor parallelism splits pairs of the mlp's hidden layers over {tp} ranks: it needs "
+                        f"model.depth >= 2 (got {depth}) and a model.width that {tp} divides (got {width})")
+    heads = 4 if width % 4 == 0 else 1
+    if tp > 1 and name == "transformer" and heads % tp:
+        raise SpecError("model.width", f"got {width}: the transformer has {heads} attention heads, which {tp} "
+                                       "tensor-parallel ranks do not divide: use a width that 4 divides and tp 2 or 4")
+    if pp > 1 and spec.optim.batch_per_worker % spec.pipeline.micro_batches:
         raise SpecError("pipeline.micro_batches", f"got {spec.pipeline.micro_batches}, which does not divide "
                                                   f"optim.batch_per_worker={spec.optim.batch_per_worker} into equal "
                                                   "micro-batches")
-
-
-def _tensor_parallel_checks(spec) -> None:
-    """Strategy tp: the mlp's hidden layers split evenly over at least two torch.distributed ranks."""
-    if spec.strategy != "tp":
-        return
-    if spec.model.name != "mlp" or spec.model.depth < 2:
-        raise SpecError("model.name" if spec.model.name != "mlp" else "model.depth",
-                        f"strategy 'tp' splits pairs of the mlp's hidden layers: set model.name=mlp with model.depth "
-                        f">= 2 (got {spec.model.name!r}, depth {spec.model.depth})")
-    if spec.world_size < 2 or spec.model.width % spec.world_size:
-        raise SpecError("model.width", f"got {spec.model.width} over {spec.world_size} ranks; tensor parallelism "
-                                       "needs 2 or more ranks and a width they divide")
-    if spec.launcher == "horovodrun" or spec.checkpoint.every_steps:
-        raise SpecError("launcher" if spec.launcher == "horovodrun" else "checkpoint.every_steps",
-                        "strategy 'tp' runs on torch.distributed ranks without checkpoints for now: use launcher "
-                        "local, torchrun, mpirun or slurm, and checkpoint.every_steps=0")
+    if spec.launcher == "horovodrun":
+        raise SpecError("launcher", f"got 'horovodrun' with strategy {spec.strategy!r}; its mesh runs on "
+                                    "torch.distributed ranks: use local, torchrun, mpirun or slurm")
+    if spec.checkpoint.every_steps and spec.checkpoint.mode != "sharded":
+        raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy {spec.strategy!r}; each "
+                                           "rank holds only its part of the model, so every rank must write: use "
+                                           "checkpoint.mode=sharded")

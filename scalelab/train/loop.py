@@ -51,10 +51,12 @@ def train(spec, info, events) -> dict:
     scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
 
     raw_model = model
-    sharded_state = spec.strategy == "fsdp"  # wrap shards the state: restore into the shards, after it
+    sharded_state = spec.strategy in ("fsdp", "tp", "pp", "3d")  # wrap shards the state: restore into the shards
     if sharded_state:
         model, optimizer = strategy.wrap(model, optimizer)
-    checkpointer = build_checkpointer(spec.checkpoint, run_dir / "checkpoints", info.rank, info.world_size)
+    ckpt_dir = run_dir / "checkpoints"  # a mesh's ranks each write their own part (train/mesh.py)
+    checkpointer = (strategy.checkpointer(spec.checkpoint, ckpt_dir) if hasattr(strategy, "checkpointer")
+                    else build_checkpointer(spec.checkpoint, ckpt_dir, info.rank, info.world_size))
     start_step, resumed_from = 0, None
     if spec.checkpoint.resume and (found := checkpointer.latest()):
         start_step = checkpointer.restore(model, optimizer, found)
@@ -64,8 +66,8 @@ def train(spec, info, events) -> dict:
 
     accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
     train_set = training_dataset(dataset, spec.data, run_dir / "data", spec.seed)  # on disk unless format=memory
-    # pipeline stages and tensor-parallel shards all see the same batches: one data-parallel rank
-    dp_rank, dp_world = (0, 1) if spec.strategy in ("pp", "tp") else (info.rank, info.world_size)
+    # the pipeline stages and tensor-parallel shards of one replica see the same batches (train/mesh.py)
+    dp_rank, dp_world = getattr(strategy, "data_parallel", (info.rank, info.world_size))
     loader = build_loader(train_set, spec.data, batch, dp_rank, dp_world, spec.seed)
     steps_per_epoch = len(loader) // accum
     total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
@@ -97,7 +99,7 @@ def train(spec, info, events) -> dict:
             t_data = time.perf_counter()
             x, y = next(batches)
             data_s += time.perf_counter() - t_data
-            if spec.strategy == "pp":  # the pipeline schedule runs the micro-batches' forwards and backwards itself
+            if getattr(strategy, "pipelined", False):  # the schedule runs the micro-batches' forwards and backwards
                 loss_sum += strategy.forward_backward(model, x, y, accum)
                 continue
             sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
@@ -184,7 +186,7 @@ def _report_flushes(done: list[dict], events) -> None:
 def _evaluate(model, spec, info, device, autocast, strategy) -> float:
     """Accuracy on a held-out set, split over ranks and averaged."""
     x, y = build_eval_set(spec.data, spec.seed)
-    if spec.strategy in ("pp", "tp"):  # the whole set, through the stages / the same on every shard
+    if hasattr(strategy, "evaluate"):  # a mesh: each replica's part through its stages and shards
         return strategy.evaluate(model, x.to(device), y.to(device))
     x, y = x[info.rank::info.world_size].to(device), y[info.rank::info.world_size].to(device)
     model.eval()

@@ -43,6 +43,18 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.net(x)
 
+    def unit_sizes(self) -> list[int]:
+        """Parameters of each pipeline unit (the layers of `net`, in order)."""
+        return [sum(p.numel() for p in layer.parameters()) for layer in self.net]
+
+    def forward_units(self, x, first: int, last: int):
+        """Run pipeline units [first, last) on x."""
+        return self.net[first:last](x)
+
+    def keep_units(self, first: int, last: int) -> None:
+        """Keep only units [first, last): a pipeline stage (its parameters keep the serial model's names)."""
+        self.net = self.net[first:last]
+
 
 class PatchTransformer(nn.Module):
     """4x4 patches -> tokens with learned positions -> pre-norm encoder -> mean pool -> classes."""
@@ -61,12 +73,48 @@ class PatchTransformer(nn.Module):
         self.head = nn.Linear(width, classes)
 
     def forward(self, x):
-        p = self.patch
-        b, c, h, w = x.shape
-        x = x.unfold(2, p, p).unfold(3, p, p)                # b, c, h/p, w/p, p, p
-        x = x.permute(0, 2, 3, 1, 4, 5).reshape(b, (h // p) * (w // p), c * p * p)
-        x = self.encoder(self.embed(x) + self.pos)
-        return self.head(self.norm(x.mean(dim=1)))
+        # a pipeline stage lacks the parts of other stages (keep_units): it runs what it has
+        if self.embed is not None:
+            p = self.patch
+            b, c, h, w = x.shape
+            x = x.unfold(2, p, p).unfold(3, p, p)                # b, c, h/p, w/p, p, p
+            x = x.permute(0, 2, 3, 1, 4, 5).reshape(b, (h // p) * (w // p), c * p * p)
+            x = self.embed(x) + self.pos
+        for layer in self.encoder.layers:  # what nn.TransformerEncoder does without masks, stage by stage
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x.mean(dim=1)))
+        return x
+
+    # pipeline units: 0 = patch embedding and positions, 1..depth = encoder blocks, depth + 1 = norm and head
+    def unit_sizes(self) -> list[int]:
+        """Parameters of each pipeline unit."""
+        blocks = [sum(p.numel() for p in layer.parameters()) for layer in self.encoder.layers]
+        embed = sum(p.numel() for p in self.embed.parameters()) + self.pos.numel()
+        head = sum(p.numel() for m in (self.norm, self.head) for p in m.parameters())
+        return [embed, *blocks, head]
+
+    def forward_units(self, x, first: int, last: int):
+        """Run pipeline units [first, last) on x (the whole model: every part present)."""
+        saved = self.embed, self.pos, self.norm, self.head, dict(self.encoder.layers._modules)
+        try:
+            self.keep_units(first, last)
+            return self(x)
+        finally:
+            self.embed, self.norm, self.head = saved[0], saved[2], saved[3]
+            self.pos = saved[1]
+            self.encoder.layers._modules.clear()
+            self.encoder.layers._modules.update(saved[4])
+
+    def keep_units(self, first: int, last: int) -> None:
+        """Keep only units [first, last): a pipeline stage (its parameters keep the serial model's names)."""
+        if first > 0:
+            self.embed, self.pos = None, None
+        if last < len(self.encoder.layers) + 2:
+            self.norm, self.head = None, None
+        for key in list(self.encoder.layers._modules):  # by key, not del layers[i]: that renumbers the rest
+            if not first <= int(key) + 1 < last:
+                del self.encoder.layers._modules[key]
 
 
 MODELS = {"cnn": SmallCNN, "mlp": MLP, "transformer": PatchTransformer}
@@ -76,6 +124,7 @@ def build_model(model_spec, in_channels: int, size: int, classes: int, seed: int
     """The model the spec names, initialised from `seed` (identical on every rank before any broadcast)."""
     torch.manual_seed(seed)
     model = MODELS[model_spec.name](in_channels, size, classes, width=model_spec.width, depth=model_spec.depth)
+    model.sample_shape = (in_channels, size, size)  # what one input sample looks like (pipeline stages ask)
     if model_spec.activation_checkpointing:
         for layer in model.encoder.layers:
             checkpointed(layer)

@@ -1,6 +1,7 @@
-"""What the model-parallel strategies (pipeline and tensor parallelism) share: each rank holds its own part of the
-model, not a replica, so there is nothing to average between micro-batches and the optimizer applies this rank's
-gradients as they are. A subclass sets `self.base` (the data-parallel strategy whose process group it uses).
+"""What strategies whose ranks hold parts of the model share (train/mesh.py): a part is not a replica, so nothing
+is averaged between micro-batches, and without data parallelism the optimizer applies this rank's gradients as
+they are (a mesh with dp > 1 averages them over the ranks holding the same part first). A subclass sets
+`self.base` (the data-parallel strategy whose process group it uses).
 """
 from __future__ import annotations
 

@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .partitioned import PartitionedModelStrategy
-
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -43,21 +41,25 @@ def schedule_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tup
     raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def split_layers(layers: nn.Sequential, stages: int) -> list[nn.Sequential]:
-    """Cut a Sequential into `stages` consecutive pieces whose parameter counts are as equal as the layers allow
-    (each cut at the layer boundary nearest its share of the total)."""
-    if stages > len(layers):
-        raise ValueError(f"cannot cut {len(layers)} layers into {stages} pipeline stages: use fewer stages or a "
+def balanced_cuts(sizes: list[int], stages: int) -> list[int]:
+    """Where to cut units of these parameter counts into `stages` consecutive pieces as equal as the units allow
+    (each cut at the boundary nearest its share of the total): [0, cut_1, ..., len(sizes)]."""
+    if stages > len(sizes):
+        raise ValueError(f"cannot cut {len(sizes)} layers into {stages} pipeline stages: use fewer stages or a "
                          "deeper model")
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     prefix = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     cuts = [0]
     for k in range(1, stages):
         target = prefix[-1] * k / stages
-        # a cut leaves at least one layer for every stage before and after it
-        options = range(cuts[-1] + 1, len(layers) - (stages - k) + 1)
+        # a cut leaves at least one unit for every stage before and after it
+        options = range(cuts[-1] + 1, len(sizes) - (stages - k) + 1)
         cuts.append(min(options, key=lambda i: (abs(prefix[i] - target), -i)))  # ties: later
-    cuts.append(len(layers))
+    return cuts + [len(sizes)]
+
+
+def split_layers(layers: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    """Cut a Sequential into `stages` consecutive pieces of about equal parameter count (balanced_cuts)."""
+    cuts = balanced_cuts([sum(p.numel() for p in layer.parameters()) for layer in layers], stages)
     return [layers[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
@@ -179,74 +181,3 @@ def typical_timeline(timeline: list) -> list:
         d = sorted(t1 - t0 for op, _, t0, t1 in timeline if op == kind)
         med[kind] = d[len(d) // 2] if d else 0.0
     return [(op, i, 0.0, med[op]) for op, i, _, _ in timeline]
-
-
-class PipelineStrategy(PartitionedModelStrategy):
-    """Strategy pp: the engine's MLP cut into one stage per rank (dp = 1: every stage sees the whole batch), each
-    optimizer step's batch split into `pipeline.micro_batches` and run by `pipeline.schedule`.
-
-    The process group, scalar means, barriers and shutdown are the data-parallel strategy's (`base`); wrap cuts
-    `model.net` in place, so the model keeps only this stage's layers under their original names (a full state
-    dict is the union of the stages')."""
-
-    name = "pp"
-    wait = "none"
-
-    def __init__(self, spec, info, device, base):
-        self.spec, self.info, self.device, self.base = spec, info, device, base
-        self.backend = base.backend
-        self.stage: PipelineStage | None = None
-        self.boundary = 0  # features of the activation this stage receives
-
-    def setup(self) -> None:
-        """Join the process group (every stage is a torch.distributed rank)."""
-        self.base.setup()
-
-    def wrap(self, model, optimizer):
-        """Keep this rank's stage of `model.net`; the optimizer steps only its parameters."""
-        stages = split_layers(model.net, self.info.world_size)
-        rank = self.info.rank
-        before = [layer for s in stages[:rank] for layer in s]
-        linears = [layer for layer in before if isinstance(layer, nn.Linear)]
-        self.boundary = linears[-1].out_features if linears else 0
-        model.net = stages[rank]
-        kept = {id(p) for p in model.parameters()}
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in kept]
-        self.stage = PipelineStage(model.net, rank, self.info.world_size)
-        return model, optimizer
-
-    def forward_backward(self, model, x, y, accum: int) -> torch.Tensor:
-        """One batch's forwards and backwards through the pipeline; the batch's loss on every stage."""
-        import torch.nn.functional as F
-        m = self.spec.pipeline.micro_batches
-        xs, ys = list(x.chunk(m)), list(y.chunk(m))
-        r = self.stage.step(self.spec.pipeline.schedule, xs, ys, lambda i: (len(ys[i]), self.boundary),
-                            lambda out, target: F.cross_entropy(out.float(), target) / accum)
-        return self._from_last(r["loss"] if self.stage.is_last else 0.0)
-
-    @torch.no_grad()
-    def evaluate(self, model, x, y) -> float:
-        """Accuracy of the whole pipeline on (x, y): forwards only, stage to stage."""
-        stage = self.stage
-        h = x if stage.prev is None else torch.empty(len(x), self.boundary)
-        if stage.prev is not None:
-            dist.recv(h, src=stage.prev)
-        model.eval()
-        out = model.net(h)
-        model.train()
-        if not stage.is_last:
-            dist.send(out.contiguous(), dst=stage.next)
-            return float(self._from_last(0.0))
-        return float(self._from_last(float((out.argmax(dim=1) == y).float().mean())))
-
-    def _from_last(self, value: float) -> torch.Tensor:
-        t = torch.tensor(float(value), dtype=torch.float64)
-        dist.broadcast(t, src=self.info.world_size - 1)
-        return t.float()
-
-    def full_state_dict(self, model) -> dict:
-        """Every stage's parameters, gathered (collective: every rank calls it)."""
-        parts = [None] * self.info.world_size
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in model.state_dict().items()})
-        return {k: v for part in parts for k, v in part.items()}

@@ -314,10 +314,7 @@ class FSDPStrategy(DDPStrategy):
 
 def build_strategy(spec, info, device):
     """The strategy the spec names."""
-    if spec.strategy == "tp":  # tensor-parallel shards, over DDP's process group
-        from .tensor_parallel import TensorParallelStrategy
-        return TensorParallelStrategy(spec, info, device, base=DDPStrategy(spec, info, device))
-    if spec.strategy == "pp":  # pipeline stages, over DDP's process group
-        from .pipeline import PipelineStrategy
-        return PipelineStrategy(spec, info, device, base=DDPStrategy(spec, info, device))
+    if spec.strategy in ("tp", "pp", "3d"):  # a dp x pp x tp mesh (train/mesh.py), over DDP's process group
+        from .mesh import MeshStrategy
+        return MeshStrategy(spec, info, device, base=DDPStrategy(spec, info, device))
     return {"ddp": DDPStrategy, "horovod": HorovodStrategy, "fsdp": FSDPStrategy}[spec.strategy](spec, info, device)

@@ -17,6 +17,10 @@ Communication lives in two autograd functions, each the other's transpose (Megat
 So a forward costs one all-reduce of the output (batch x out) and a backward one of the input's gradient
 (batch x in), whatever the weights' size: activations travel every layer, every micro-batch, which is why
 tensor parallelism stays inside a node with fast links.
+
+A transformer block splits the same way (ParallelEncoderLayer): q, k and v column-parallel by attention heads
+(each rank attends with its heads only), the out-projection row-parallel, then the block's MLP column/row: two
+all-reduces forward, two backward. `split_model` swaps the engine model's layers for these shards (train/mesh.py).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .partitioned import PartitionedModelStrategy
+from .models import checkpointed
+
 
 
 class CopyToParallel(torch.autograd.Function):
@@ -114,56 +119,77 @@ def shard_of_serial_grads(first: nn.Linear, second: nn.Linear, rank: int, world:
             "second.bias": second.bias.grad.detach().clone()}
 
 
-class TensorParallelStrategy(PartitionedModelStrategy):
-    """Strategy tp: the engine's MLP with each pair of hidden layers split column/row over all ranks (dp = 1:
-    every rank sees the whole batch); the classifier head and an unpaired last hidden layer stay replicated,
-    their gradients identical on every rank because f and g are exact.
+class ParallelAttention(nn.Module):
+    """Multi-head self-attention with this rank's heads: column-parallel q, k and v (its rows of each third of
+    the packed in-projection), attention on its heads alone, row-parallel out-projection."""
 
-    The process group, scalar means, barriers and shutdown are the data-parallel strategy's (`base`). Parameter
-    names stay those of the serial model, so `full_state_dict` concatenates the shards back into it."""
+    def __init__(self, serial: nn.MultiheadAttention, rank: int, world: int, group=None):
+        super().__init__()
+        if serial.num_heads % world:
+            raise ValueError(f"{serial.num_heads} attention heads cannot be split over {world} tensor-parallel "
+                             f"ranks: choose a tp that divides {serial.num_heads}")
+        self.group, self.heads, self.head_dim = group, serial.num_heads // world, serial.head_dim
+        self.in_proj_weight = nn.Parameter(_slice_thirds(serial.in_proj_weight, rank, world))
+        self.in_proj_bias = nn.Parameter(_slice_thirds(serial.in_proj_bias, rank, world))
+        self.out_proj = RowParallelLinear(serial.out_proj, rank, world, group)
 
-    name = "tp"
-    wait = "none"
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = F.linear(CopyToParallel.apply(x, self.group), self.in_proj_weight, self.in_proj_bias)
+        q, k, v = (z.reshape(b, t, self.heads, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v)  # b, heads, t, head_dim: no communication
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
-    def __init__(self, spec, info, device, base):
-        self.spec, self.info, self.device, self.base = spec, info, device, base
-        self.backend = base.backend
-        self.split_dims: dict[str, int] = {}  # parameter name -> the dimension its shards were cut along
 
-    def setup(self) -> None:
-        """Join the process group."""
-        self.base.setup()
+class ParallelEncoderLayer(nn.Module):
+    """A pre-norm nn.TransformerEncoderLayer (relu, no dropout) split over a tensor-parallel group: attention by
+    heads, the MLP column/row; two all-reduces forward (one per half) and two backward. The layer norms are
+    replicated (their gradients agree on every rank: f and g are exact). Parameter names stay the serial layer's."""
 
-    def wrap(self, model, optimizer):
-        """Swap pairs of hidden Linear layers of `model.net` for column/row-parallel shards of themselves."""
-        rank, world = self.info.rank, self.info.world_size
-        linears = [i for i, layer in enumerate(model.net) if isinstance(layer, nn.Linear)][:-1]  # not the head
-        names = {id(p): n for n, p in model.named_parameters()}
-        for first, second in zip(linears[0::2], linears[1::2]):
-            model.net[first] = ColumnParallelLinear(model.net[first], rank, world)
-            model.net[second] = RowParallelLinear(model.net[second], rank, world)
-            self.split_dims.update({f"net.{first}.weight": 0, f"net.{first}.bias": 0, f"net.{second}.weight": 1})
-        # the shards keep their layers' names: point the (still stateless) optimizer at them
-        now = dict(model.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [now[names[id(p)]] for p in group["params"]]
-        return model, optimizer
+    def __init__(self, serial: nn.TransformerEncoderLayer, rank: int, world: int, group=None):
+        super().__init__()
+        self.norm1, self.norm2 = serial.norm1, serial.norm2
+        self.self_attn = ParallelAttention(serial.self_attn, rank, world, group)
+        self.linear1 = ColumnParallelLinear(serial.linear1, rank, world, group)
+        self.linear2 = RowParallelLinear(serial.linear2, rank, world, group)
 
-    @torch.no_grad()
-    def evaluate(self, model, x, y) -> float:
-        """Accuracy on (x, y): every rank runs the same inputs (its shards' partial sums are all-reduced)."""
-        model.eval()
-        correct = float((model(x).argmax(dim=1) == y).float().mean())
-        model.train()
-        return correct
+    def forward(self, x):
+        x = x + self.self_attn(self.norm1(x))
+        return x + self.linear2(F.relu(self.linear1(self.norm2(x))))
 
-    def full_state_dict(self, model) -> dict:
-        """The serial model's parameters, shards concatenated (collective: every rank calls it)."""
-        out = {}
-        for name, value in model.state_dict().items():
-            if name in self.split_dims:
-                parts = [torch.empty_like(value) for _ in range(self.info.world_size)]
-                dist.all_gather(parts, value.contiguous())
-                value = torch.cat(parts, dim=self.split_dims[name])
-            out[name] = value
-        return out
+
+def _slice_thirds(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of each of q, k and v in a packed (3 x d, ...) tensor."""
+    return torch.cat([_slice(part, 0, rank, world) for part in t.chunk(3, dim=0)])
+
+
+def split_model(model: nn.Module, rank: int, world: int, group=None) -> dict[str, tuple[int, int]]:
+    """Swap the engine model's layers for tensor-parallel shards of themselves, in place: the mlp's pairs of
+    hidden layers column/row (the head and an unpaired last hidden layer stay replicated), every transformer
+    block by heads and MLP (embedding, norms and head replicated). Returns, per split parameter, (dim, chunks):
+    the dimension it was cut along and how many packed parts (q, k, v: 3) were each cut."""
+    split: dict[str, tuple[int, int]] = {}
+    if hasattr(model, "encoder"):
+        for key, layer in list(model.encoder.layers._modules.items()):
+            model.encoder.layers._modules[key] = ParallelEncoderLayer(layer, rank, world, group)
+            if "forward" in vars(layer):  # models.checkpointed wrapped it: activation checkpointing survives
+                checkpointed(model.encoder.layers._modules[key])
+            at = f"encoder.layers.{key}."
+            split.update({at + "self_attn.in_proj_weight": (0, 3), at + "self_attn.in_proj_bias": (0, 3),
+                          at + "self_attn.out_proj.weight": (1, 1), at + "linear1.weight": (0, 1),
+                          at + "linear1.bias": (0, 1), at + "linear2.weight": (1, 1)})
+        return split
+    linears = [i for i, layer in enumerate(model.net) if isinstance(layer, nn.Linear)][:-1]  # not the head
+    for first, second in zip(linears[0::2], linears[1::2]):
+        model.net[first] = ColumnParallelLinear(model.net[first], rank, world, group)
+        model.net[second] = RowParallelLinear(model.net[second], rank, world, group)
+        split.update({f"net.{first}.weight": (0, 1), f"net.{first}.bias": (0, 1), f"net.{second}.weight": (1, 1)})
+    return split
+
+
+def gather_shards(value: torch.Tensor, dim: int, chunks: int, world: int, group=None) -> torch.Tensor:
+    """The serial tensor from every rank's shard (collective over the tensor-parallel group)."""
+    parts = [torch.empty_like(value) for _ in range(world)]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    pieces = [part.chunk(chunks, dim=dim) for part in parts]
+    return torch.cat([torch.cat([p[c] for p in pieces], dim=dim) for c in range(chunks)], dim=dim)
