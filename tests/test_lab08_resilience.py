@@ -1,10 +1,16 @@
 """Lab 08 (resilience) runs under papermill at its grading parameters and grades 100 %; its student copy stops at
-the first exercise and grades far below; a wrong or forged record fails the check that guards it."""
+the first exercise and grades far below; a wrong or forged record fails the check that guards it.
+
+The grader's sandbox has no Slurm, so grading runs with use_slurm = use_nodes = False; the cluster cells (a Slurm
+job preempted and requeued, a node of the 2-node namespace cluster lost) run here once more, with the setup and the
+uninterrupted reference run they compare with, against the real local clusters."""
 from __future__ import annotations
 
+import nbformat
 import pytest
 
 from scalelab.course.execute import execute_notebook
+from scalelab.grade.evidence import run_evidence
 
 from labtests import (ROOT, assert_check_notices, assert_full_marks_within, busy_core, grade, grading_parameters,
                       run_reference, student_copy)
@@ -69,3 +75,68 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path)
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)
+
+
+# -- the cluster cells (use_slurm, use_nodes) on the real local Slurm and the 2-node namespace cluster -------------
+
+CLUSTER_CELLS = ("lab08-01", "lab08-02", "lab08-08", "lab08-nodes", "lab08-19")  # params, setup, reference, ...
+CLUSTER_CHECKS = ("slurm_job_requeued_and_resumed_exactly", "node_loss_restarts_read_the_right_tier",
+                  "slurm_job_is_the_engine_run", "node_loss_run_is_the_engine_run")
+
+
+@pytest.fixture(scope="module")
+def on_clusters(slurm_cluster, nodes_cluster, tmp_path_factory):
+    """The reference notebook's cluster cells, with the cells they build on, executed with use_slurm and use_nodes:
+    the records, with the grader's evidence from the runs' event files."""
+    out = tmp_path_factory.mktemp("lab08-clusters")
+    nb = nbformat.read(LAB / "lab.ipynb", as_version=4)
+    nb.cells = [c for c in nb.cells if c.get("id") in CLUSTER_CELLS]
+    assert tuple(c.id for c in nb.cells) == CLUSTER_CELLS
+    nbformat.write(nb, out / "lab.ipynb")
+    params = {**grading_parameters(LAB), "out_dir": str(out / "runs"), "use_slurm": True, "use_nodes": True,
+              "nodes_state_dir": str(nodes_cluster.state_dir)}
+    result = execute_notebook(out / "lab.ipynb", params, output_path=out / "out.ipynb", cell_timeout=150,
+                              total_timeout=300)
+    result.raise_for_status()
+    return {**result.records, **run_evidence(out)}
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+def test_cluster_cells_requeue_a_slurm_job_and_lose_a_node_and_resume_exactly(on_clusters):
+    r = on_clusters
+    s = r["slurm_preempt"]
+    assert s["status"] == "succeeded" and s["restarts"] == 1 and len(s["start_steps"]) == 2  # one job id, 2 runs
+    assert s["start_steps"][1] == s["preempted"][0]["step"] > 0 and s["preempted"][0]["signal"] == "SIGUSR1"
+    assert s["max_param_diff"] == 0.0
+    n = r["node_loss"]
+    assert [a["tier"] for a in n["attempts"]] == [None, "local", "shared"]
+    assert [a["host"] for a in n["attempts"]] == ["node1", "node1", "node2"] and n["survivor_hosts"] == ["node2"]
+    assert n["status"] == "succeeded" and n["max_param_diff"] == 0.0
+    results = {res.name: res for res in grade(LAB, r)[2]}
+    assert all(results[c].outcome == "pass" and not results[c].message for c in CLUSTER_CHECKS), \
+        [(results[c].name, results[c].outcome, results[c].message) for c in CLUSTER_CHECKS]
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+@pytest.mark.parametrize("forge, check_name", [
+    (lambda r: r["slurm_preempt"].update(restarts=0), "slurm_job_requeued_and_resumed_exactly"),
+    (lambda r: r["slurm_preempt"].update(max_param_diff=1e-7), "slurm_job_requeued_and_resumed_exactly"),
+    (lambda r: r["slurm_preempt"]["start_steps"].__setitem__(1, r["slurm_preempt"]["start_steps"][1] + 1),
+     "slurm_job_is_the_engine_run"),
+    (lambda r: r["node_loss"]["attempts"][2].update(resumed_from=r["node_loss"]["attempts"][1]["resumed_from"]),
+     "node_loss_restarts_read_the_right_tier"),
+    (lambda r: r["node_loss"].update(survivor_hosts=["node1", "node2"]), "node_loss_restarts_read_the_right_tier"),
+    (lambda r: r["node_loss"]["attempts"][2].update(start_step=r["node_loss"]["attempts"][1]["start_step"]),
+     "node_loss_run_is_the_engine_run"),
+    (lambda r: r["node_loss"].update(run_dir=r["slurm_preempt"]["run_dir"]), "node_loss_run_is_the_engine_run"),
+])
+def test_cluster_checks_catch_a_wrong_or_forged_record(on_clusters, forge, check_name):
+    assert_check_notices(LAB, on_clusters, forge, check_name)
+
+
+@pytest.mark.parametrize("section, check_name", [("use_slurm", "slurm_job_requeued_and_resumed_exactly"),
+                                                 ("use_nodes", "node_loss_run_is_the_engine_run")])
+def test_a_cluster_section_said_to_have_run_must_have_its_records(reference, section, check_name):
+    assert_check_notices(LAB, reference[0], lambda r: r["lab08_params"].update({section: True}), check_name)

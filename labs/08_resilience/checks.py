@@ -1,5 +1,5 @@
 """Lab 08 public checks: what a student can self-check on the numbers the notebook recorded."""
-from scalelab.grade.checks import check
+from scalelab.grade.checks import check, partial
 
 
 @check(points=1, needs_run=True)
@@ -81,3 +81,42 @@ def multilevel_restart_reads_the_shared_tier(r):
     assert m["local"] == m["shared"] and m["shared"], f"local tier {m['local']}, shared tier {m['shared']}"
     assert "node-local" not in m["resumed_from"] and m["start_step"] == m["shared"][-1], \
         f"resumed from {m['resumed_from']} at step {m['start_step']}"
+
+
+def _ran(r, section: str):
+    """Whether the notebook ran a cluster section (use_slurm / use_nodes): the grader's sandbox has no cluster."""
+    return r["lab08_params"].get(section, False)
+
+
+@check(points=1, needs_run=True)
+def slurm_job_requeued_and_resumed_exactly(r):
+    """With use_slurm: the signalled Slurm job requeued itself (same job id, two attempts) and resumed exactly."""
+    if not _ran(r, "use_slurm"):
+        return partial(1, "not run here (use_slurm = False): nothing to judge")
+    s = r["slurm_preempt"]
+    assert s["status"] == "succeeded", f"the Slurm job ended {s['status']}"
+    assert s["restarts"] == 1 and len(s["start_steps"]) == 2, \
+        f"Slurm counts {s['restarts']} restart(s), the ranks {len(s['start_steps'])} attempt(s): expected 1 and 2"
+    assert s["start_steps"][1] == s["preempted"][0]["step"] > 0, \
+        f"the second attempt started at {s['start_steps'][1]}, the first stopped after {s['preempted'][0]['step']}"
+    assert s["max_param_diff"] == 0.0, f"parameters differ from the uninterrupted run by {s['max_param_diff']}"
+
+
+@check(points=1, needs_run=True)
+def node_loss_restarts_read_the_right_tier(r):
+    """With use_nodes: after a rank crash the restart read the node-local tier; after the node loss the restart on
+    the survivor read the shared tier's newest checkpoint, and the run ended exactly."""
+    if not _ran(r, "use_nodes"):
+        return partial(1, "not run here (use_nodes = False): nothing to judge")
+    n = r["node_loss"]
+    crash, lost, finish = n["attempts"]
+    shared = n["run_dir"] + "/checkpoints/"
+    assert not lost["resumed_from"].startswith(shared) and lost["start_step"] == crash["saved_local"][-1], \
+        f"after the rank crash the restart read {lost['resumed_from']} (step {lost['start_step']})"
+    assert finish["resumed_from"] == f"{shared}step-{n['shared_at_loss'][-1]:08d}.pt" \
+        and finish["start_step"] == n["shared_at_loss"][-1], \
+        f"after the node loss the restart read {finish['resumed_from']} (step {finish['start_step']})"
+    assert n["lost_node"] not in n["survivor_hosts"] and lost["host"] == n["lost_node"], \
+        f"lost {n['lost_node']}, rank 0 was on {lost['host']}, the finish ran on {n['survivor_hosts']}"
+    assert finish["status"] == "succeeded" and n["max_param_diff"] == 0.0, \
+        f"the finish ended {finish['status']}, parameters differ by {n['max_param_diff']}"

@@ -2,9 +2,10 @@
 
 The reference, preempted, elastic and forward-recovery runs are held against their event files (checkpoints and
 their cost, launches and resume steps, steps reached); the interval sweep is recomputed from the recorded inputs.
+The cluster sections (use_slurm, use_nodes) count only where they ran: the grader's sandbox has no cluster.
 """
 from scalelab.experiments.resilience import interval_sweep
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, partial
 
 
 @check(points=2, needs_run=True)
@@ -65,3 +66,28 @@ def multilevel_run_is_the_engine_run(r):
     assert found["launches"] == 2 and found["start_step"] == m["start_step"], \
         f"events: {found['launches']} launches, the last from step {found['start_step']}"
     assert found["steps"] == r["lab08_params"]["steps"] + 2 * r["lab08_params"]["every"]
+
+
+@check(points=1, needs_run=True)
+def slurm_job_is_the_engine_run(r):
+    """With use_slurm: the job's events show two launches, the second from the preempted step, to the last step."""
+    if not r["lab08_params"].get("use_slurm", False):
+        return partial(1, "not run here (use_slurm = False)")
+    s = r["slurm_preempt"]
+    found = evidence(r, s["run_dir"])
+    assert found["launches"] == 2 and found["start_step"] == s["start_steps"][-1] == s["preempted"][0]["step"], \
+        f"events: {found['launches']} launches, the last from step {found['start_step']}"
+    assert found["steps"] == r["lab08_params"]["steps"] and found["world_size"] == r["lab08_params"]["workers"]
+
+
+@check(points=1, needs_run=True)
+def node_loss_run_is_the_engine_run(r):
+    """With use_nodes: the run's events show three launches, the last from the recorded shared-tier step, to the
+    last step, with the lab's world size."""
+    if not r["lab08_params"].get("use_nodes", False):
+        return partial(1, "not run here (use_nodes = False)")
+    n = r["node_loss"]
+    found = evidence(r, n["run_dir"])
+    assert found["launches"] == 3 and found["start_step"] == n["attempts"][-1]["start_step"], \
+        f"events: {found['launches']} launches, the last from step {found['start_step']}"
+    assert found["steps"] == r["lab08_params"]["steps"] and found["world_size"] == r["lab08_params"]["workers"]

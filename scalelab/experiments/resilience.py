@@ -133,7 +133,8 @@ def signal_rank(run, rank: int, after_step: int, sig: int = signal.SIGTERM, time
 def slurm_preempt(spec, after_step: int, timeout: float = 600) -> dict:
     """Submit `spec` (launcher slurm, checkpoint.on_signal, slurm.requeue) and, once rank 0 has done `after_step`
     steps, signal the batch shell with SIGUSR1 — what `--signal=B:USR1@N` does N seconds before the time limit.
-    Waits for the requeued job to finish; returns its attempts (start steps), preemptions and final status."""
+    Waits for the requeued job to finish; returns its attempts (start steps), preemptions, final status and
+    Slurm's own count of the job's restarts (`scontrol show job`: Restarts)."""
     from ..cluster.slurm import slurm_command
     from ..launch import launch
     run = launch(spec)
@@ -145,10 +146,11 @@ def slurm_preempt(spec, after_step: int, timeout: float = 600) -> dict:
             time.sleep(0.2)
         slurm_command(["scancel", "--batch", "--signal=USR1", run.job_id], run.env)
         summary = run.wait(timeout=timeout)
+        restarts = int(run.job_info().get("Restarts", 0))  # Slurm keeps a finished job's record for MinJobAge
     finally:
         run.stop()
     events = [e for e in run.events() if e["rank"] == 0]
-    return {"job_id": run.job_id, "status": summary["status"], "run_dir": str(run.run_dir),
+    return {"job_id": run.job_id, "status": summary["status"], "run_dir": str(run.run_dir), "restarts": restarts,
             "start_steps": [e["start_step"] for e in events if e["type"] == "start"],
             "preempted": [{"step": e["step"], "signal": e["signal"]} for e in events if e["type"] == "preempted"]}
 
