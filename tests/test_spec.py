@@ -81,6 +81,7 @@ _OUT_OF_RANGE = {
     "steps": 0, "epochs": -1, "seed": -5,
     "log_every": 0, "fsdp.sharding": "zero9", "pipeline.schedule": "zigzag",
     "pipeline.micro_batches": 0, "parallel.tp": 0, "parallel.pp": 0,
+    "profile.wait_steps": -1, "profile.warmup_steps": -1, "profile.active_steps": 0,
 }
 
 
@@ -97,7 +98,8 @@ def test_a_value_out_of_range_names_the_field_and_the_value(key):
 def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
     free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress",
                  "fsdp.reshard_after_forward", "model.activation_checkpointing",
-                 "checkpoint.on_signal", "slurm.requeue", "checkpoint.local_dir"}
+                 "checkpoint.on_signal", "slurm.requeue", "checkpoint.local_dir",
+                 "profile.enabled", "profile.record_shapes", "profile.profile_memory", "profile.with_stack"}
     assert set(RULES) - free_text == set(_OUT_OF_RANGE)
 
 

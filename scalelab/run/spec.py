@@ -211,6 +211,27 @@ class ParallelSpec:
 
 
 @dataclass
+class ProfileSpec:
+    """torch.profiler traces per rank (and Horovod's timeline): where a step's time goes."""
+
+    enabled: bool = False
+    """Write <output_dir>/traces/rank-<r>.json (a Chrome trace: chrome://tracing, Perfetto) for the active steps;
+    with strategy horovod also traces/horovod-timeline.json. NVTX ranges mark the phases on CUDA."""
+    wait_steps: int = 1
+    """Steps skipped before the profiler starts (the first step pays one-off setup costs)."""
+    warmup_steps: int = 1
+    """Steps profiled and thrown away (the profiler's own start-up overhead lands here)."""
+    active_steps: int = 3
+    """Steps recorded into the trace."""
+    record_shapes: bool = False
+    """Record each op's input shapes (bigger trace; shows each all-reduce's size)."""
+    profile_memory: bool = False
+    """Record tensor allocations and frees (a memory timeline; slower)."""
+    with_stack: bool = False
+    """Record the Python stack of each op (much bigger trace and slower: only to find who called an op)."""
+
+
+@dataclass
 class SlurmSpec:
     """Batch options used by the slurm launcher (students' values are bounded by the hub, not here)."""
 
@@ -273,6 +294,8 @@ class RunSpec:
     """Schedule and micro-batches of strategies pp and 3d (ignored by the others)."""
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     """tp x pp of strategy 3d (ignored by the others; dp is what the world size leaves)."""
+    profile: ProfileSpec = field(default_factory=ProfileSpec)
+    """Profiler traces per rank (off by default)."""
     steps: int = 20
     """Optimizer steps to run (ignored when epochs > 0)."""
     epochs: int = 0
@@ -355,7 +378,7 @@ class RunSpec:
 # -- dict / file round trip -----------------------------------------------------------------------
 _NESTED = {"model": ModelSpec, "data": DataSpec, "world": WorldSpec, "optim": OptimSpec,
            "checkpoint": CheckpointSpec, "slurm": SlurmSpec, "fault": FaultSpec, "fsdp": FSDPSpec,
-           "pipeline": PipelineSpec, "parallel": ParallelSpec}
+           "pipeline": PipelineSpec, "parallel": ParallelSpec, "profile": ProfileSpec}
 
 
 def _build(cls, data: Any, prefix: str):

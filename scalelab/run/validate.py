@@ -151,6 +151,13 @@ RULES = {
     "pipeline.micro_batches": (int, _int_at_least(1, 1024)),
     "parallel.tp": (int, _int_at_least(1, 1024)),
     "parallel.pp": (int, _int_at_least(1, 1024)),
+    "profile.enabled": (bool, None),
+    "profile.wait_steps": (int, _int_at_least(0, 100_000)),
+    "profile.warmup_steps": (int, _int_at_least(0, 100_000)),
+    "profile.active_steps": (int, _int_at_least(1, 1000)),
+    "profile.record_shapes": (bool, None),
+    "profile.profile_memory": (bool, None),
+    "profile.with_stack": (bool, None),
     "steps": (int, _int_at_least(1, 10_000_000)),
     "epochs": (int, _int_at_least(0, 100_000)),
     "seed": (int, _int_at_least(0, 2**31 - 1)),
@@ -260,6 +267,7 @@ def _cross_checks(spec) -> None:
                                        "system: set data.format to files, shards or hdf5")
     _fsdp_checks(spec)
     _mesh_checks(spec)
+    _profile_checks(spec)
     if spec.model.activation_checkpointing and spec.model.name != "transformer":
         raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers, "
                                                           f"not model.name={spec.model.name!r}: set model.name="
@@ -392,3 +400,13 @@ def _mesh_checks(spec) -> None:
         raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy {spec.strategy!r}; each "
                                            "rank holds only its part of the model, so every rank must write: use "
                                            "checkpoint.mode=sharded")
+
+
+def _profile_checks(spec) -> None:
+    """Profiling: the schedule must fit in the run, or the trace would never be written."""
+    p = spec.profile
+    if p.enabled and spec.epochs == 0 and p.wait_steps + p.warmup_steps + p.active_steps > spec.steps:
+        raise SpecError("profile.active_steps", f"wait_steps + warmup_steps + active_steps = {p.wait_steps} + "
+                                                f"{p.warmup_steps} + {p.active_steps} is more than steps="
+                                                f"{spec.steps}: the trace would never be written; lower them or "
+                                                "raise steps")

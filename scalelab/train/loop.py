@@ -27,6 +27,7 @@ from .memory import CommCounter, SavedTensorBytes, rss_peak_bytes, state_bytes
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
 from .preempt import Preemption
+from .profiling import StepProfiler
 from .strategies import build_strategy, pick_device
 
 
@@ -37,6 +38,7 @@ def train(spec, info, events) -> dict:
     threads = threads_per_rank(spec, info.local_size)
     torch.set_num_threads(threads)
     device = pick_device(spec, info.local_rank)
+    profiler = StepProfiler(spec, info.rank, device, events)  # traces/rank-<r>.json when spec.profile.enabled
     # forward recovery: survivors of a lost rank re-form the group and go on from memory (train/forward.py)
     strategy = (ForwardRecoveryDDP if spec.fault.recovery == "forward" else build_strategy)(spec, info, device)
     strategy.setup()
@@ -84,6 +86,7 @@ def train(spec, info, events) -> dict:
 
     loss_value = float("nan")
     preemption = Preemption(spec.checkpoint.on_signal)  # SIGTERM/SIGUSR1 -> emergency checkpoint, clean exit
+    profiler.start(start_step)
     for step in range(start_step, total_steps):
         maybe_inject(spec.fault, info.rank, step, events)
         lr = lr_at(step, peak_lr, spec.optim.warmup_steps)
@@ -97,24 +100,29 @@ def train(spec, info, events) -> dict:
         counter.__enter__()
         for micro in range(accum):
             t_data = time.perf_counter()
-            x, y = next(batches)
+            with profiler.phase("data"):
+                x, y = next(batches)
             data_s += time.perf_counter() - t_data
             if getattr(strategy, "pipelined", False):  # the schedule runs the micro-batches' forwards and backwards
                 loss_sum += strategy.forward_backward(model, x, y, accum)
                 continue
             sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
             with sync:
-                with autocast, activations if step == start_step and micro == 0 else contextlib.nullcontext():
+                with autocast, activations if step == start_step and micro == 0 else contextlib.nullcontext(), \
+                        profiler.phase("forward"):
                     loss = F.cross_entropy(model(x).float(), y) / accum
-                (scaler.scale(loss) if scaler else loss).backward()
+                with profiler.phase("backward"):
+                    (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
-        strategy.step(optimizer, scaler)
+        with profiler.phase("optimizer"):
+            strategy.step(optimizer, scaler)
         counter.__exit__(None, None, None)
         if step == start_step:  # what this rank holds once every state exists: gradients are freed next
             events.emit("memory", step=step + 1, **state_bytes(raw_model, optimizer), rss_peak_bytes=rss_peak_bytes(),
                         activation_bytes=activations.bytes, comm=counter.summary())
         optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
         loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
+        profiler.step()
         step_s = time.perf_counter() - t0
         comm_s = strategy.take_comm_time()
         done = step + 1
@@ -131,6 +139,7 @@ def train(spec, info, events) -> dict:
             return _preempted(checkpointer, strategy, raw_model, optimizer, done, loss_value, events,
                               preemption.signal, already_saved=saved)
 
+    profiler.stop()
     _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
     final_loss = strategy.mean(loss_value)
     accuracy = _evaluate(raw_model, spec, info, device, autocast, strategy)
