@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scalelab.cluster.nodes import NodesCluster
-from scalelab.errors import ClusterError
+from scalelab.errors import ClusterError, SpecError
 from scalelab.experiments.resilience_nodes import node_loss, tier_of
 from scalelab.launch import launch
 
@@ -24,6 +24,16 @@ def test_tiers_are_told_apart_by_the_run_directory(tmp_path):
     assert tier_of(tmp_path / "run" / "checkpoints" / "step-00000004.pt", tmp_path / "run") == "shared"
     assert tier_of("/dev/shm/scalelab-ckpt-abc/step-00000004.pt", tmp_path / "run") == "local"
     assert tier_of(None, tmp_path / "run") is None
+
+
+@pytest.mark.parametrize("changes, field", [({"world.nodes": 1}, "world.nodes"), ({"checkpoint.mode": "sync"},
+                                                                                  "checkpoint.mode")])
+def test_a_story_without_two_slurm_nodes_and_two_tiers_is_refused_naming_the_field(tmp_path, changes, field):
+    spec = tiny(tmp_path, "story", workers=1, **{"launcher": "slurm", "world.nodes": 2, "checkpoint.every_steps": 4,
+                                                 "checkpoint.mode": "multilevel", **changes})
+    with pytest.raises(SpecError) as e:
+        node_loss(spec, "/nonexistent-state")
+    assert e.value.field == field
 
 
 def test_losing_a_node_the_cluster_does_not_have_is_refused_naming_its_nodes():

@@ -17,7 +17,8 @@ really is node1's memory. The story, on real processes and a real Slurm:
    node gone, reports it and cancels the job. The relaunch runs as 1 node x 2 ranks (the same world size) on
    node2, whose /dev/shm never held this run: it reads the shared tier — and loses the steps since the newest
    checkpoint that reached it.
-3. node1 is restored (`restore_node`) before this returns, even when something failed: the cluster is shared.
+3. node1 is restored (`restore_node`) before this returns, even when something failed after it was lost: the
+   cluster is shared.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..ckpt import read_manifest
+from ..errors import SpecError
 from .resilience import signal_rank
 
 
@@ -75,20 +77,34 @@ def _attempt(run, events: list[dict], how: str, summary: dict) -> dict:
             "last_step": max(_steps(events, "step"), default=start["start_step"])}
 
 
+def _check_story(spec) -> None:
+    """The story needs rank 0 on a node of its own that can be lost, writing multilevel checkpoints."""
+    if spec.launcher != "slurm":
+        raise SpecError("launcher", f"node_loss runs Slurm jobs on the namespace cluster, got {spec.launcher!r}: "
+                                    "set launcher='slurm'")
+    if spec.world.nodes < 2:
+        raise SpecError("world.nodes", f"node_loss loses one node of several, got {spec.world.nodes}: set 2")
+    if spec.checkpoint.mode != "multilevel" or not spec.checkpoint.every_steps:
+        raise SpecError("checkpoint.mode", f"node_loss compares the node-local and shared tiers, got mode "
+                                           f"{spec.checkpoint.mode!r} every {spec.checkpoint.every_steps} steps: set "
+                                           "checkpoint.mode='multilevel' and checkpoint.every_steps > 0")
+
+
 def node_loss(spec, state_dir: str | None = None, crash_after: int = 5, lose_after: int = 12, lose: str = "node1",
               timeout: float = 180) -> dict:
     """The three attempts of the story above (each: job id, status, rank 0's host, start step, resumed_from and
     its tier, checkpoints saved locally and flushed to the shared tier, last step), the shared tier's steps when
     the node was lost and the run directory. `crash_after`/`lose_after`: rank 0's step (in the attempt) after
     which rank 1 is killed / the node is lost; the node is lost only once a checkpoint of that attempt has reached
-    the shared tier."""
+    the shared tier. `lose` is rank 0's node (the first of the job's nodes: node1 on an idle cluster)."""
     import os
 
     from ..cluster.nodes import NodesCluster
     from ..launch import launch
+    _check_story(spec)
     cluster = NodesCluster(state_dir) if state_dir else NodesCluster()
     env = {**os.environ, **cluster.env()}
-    attempts, run = [], None
+    attempts, run, lost = [], None, False
     try:
         run = launch(spec, env=env)  # 1. a rank lost: its node lives on
         signal_rank(run, rank=1, after_step=crash_after, sig=signal.SIGKILL, timeout=timeout)
@@ -99,7 +115,7 @@ def node_loss(spec, state_dir: str | None = None, crash_after: int = 5, lose_aft
         wait_until(run, lambda ev: any(s > first for s in _steps(ev, "checkpoint_done"))
                    and max(_steps(ev, "step"), default=0) >= first + lose_after,
                    f"step {first + lose_after} with a checkpoint in the shared tier", timeout)
-        lost_t = time.time()
+        lost_t, lost = time.time(), True
         cluster.lose_node(lose)
         summary = run.wait(timeout=90, check=False)
         shared_at_loss = [e["step"] for e in read_manifest(run.run_dir / "checkpoints")]
@@ -115,7 +131,8 @@ def node_loss(spec, state_dir: str | None = None, crash_after: int = 5, lose_aft
     finally:
         if run is not None:
             run.stop()
-        cluster.restore_node(lose)
+        if lost:  # even when something failed after it: the cluster is shared
+            cluster.restore_node(lose)
     return {"attempts": attempts, "lost_node": lose, "shared_at_loss": shared_at_loss, "survivor_hosts": hosts,
             "run_dir": str(run.run_dir), "status": attempts[-1]["status"]}
 
