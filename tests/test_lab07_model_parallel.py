@@ -37,6 +37,9 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert pipe["gpipe/8"]["peak_in_flight"] == [8, 8] and pipe["1f1b/8"]["peak_in_flight"] == [2, 1]
     assert records["reshard"]["one_equal"] and records["reshard"]["two_equal"]
     assert records["planner"]["fp32_zero3_bytes"] == runs["fsdp_full"]["memory"]["state_bytes"]
+    mesh = records["mesh_run"]  # dp 2 x tp 2 on 4 ranks: DDP's losses, about half its state on every rank
+    assert mesh["loss_curve"] == pytest.approx(runs["ddp"]["loss_curve"], rel=1e-5)
+    assert max(mesh["state_bytes"]) < 0.52 * runs["ddp"]["memory"]["state_bytes"]
 
 
 def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
@@ -78,6 +81,10 @@ def _scale(r, factor):
     (lambda r: r["planner"]["layout"]["links"].update(tp="inter"), "a_feasible_3d_layout"),
     (lambda r: r["planner"]["layout"].update(feasible=False, problems=["too big"]), "a_feasible_3d_layout"),
     (lambda r: r["planner"].update(fp32_zero3_bytes=1.0), "planner_predicts_the_measured_state"),
+    (lambda r: r["mesh_run"]["loss_curve"].__setitem__(0, 9.0), "a_3d_mesh_trains_like_ddp"),
+    (lambda r: r["mesh_run"].update(predicted_state_bytes=r["mesh_run"]["predicted_state_bytes"] * 2),
+     "a_3d_mesh_trains_like_ddp"),
+    (lambda r: r["mesh_run"].update(run_dir=r["fsdp_runs"]["ddp"]["run_dir"]), "mesh_run_is_the_engine_run"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -1,4 +1,5 @@
-"""Lab 07 public checks: memory arithmetic, FSDP vs DDP, tensor parallelism by hand, pipeline bubble, resharding."""
+"""Lab 07 public checks: memory arithmetic, FSDP vs DDP, tensor parallelism by hand, pipeline bubble, resharding,
+a 3D layout and a dp x tp mesh in the engine."""
 import math
 
 from scalelab.grade.checks import check
@@ -117,3 +118,20 @@ def a_feasible_3d_layout(r):
     assert p["world"] == 64, f"dp x tp x pp = {p['world']}, the cluster has 64 GPUs"
     assert p["links"]["tp"] == "intra", "tensor-parallel groups cross nodes: keep tp within a node's 8 GPUs"
     assert p["feasible"], f"the layout does not work: {'; '.join(p['problems'])}"
+
+
+@check(points=2, needs_run=True)
+def a_3d_mesh_trains_like_ddp(r):
+    """Exercise 7: the dp x tp mesh follows DDP's losses, each rank holds at most 0.6 of DDP's state, and the
+    prediction (16 bytes per parameter over tp, no ZeRO) is within 2 % of the measurement."""
+    m, ddp = r["mesh_run"], r["fsdp_runs"]["ddp"]
+    assert len(m["loss_curve"]) == len(ddp["loss_curve"]) and all(
+        math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6) for a, b in zip(m["loss_curve"], ddp["loss_curve"])), \
+        "the mesh's losses differ from DDP's"
+    assert len(m["state_bytes"]) == 2 * r["lab07_params"]["workers"], f"{len(m['state_bytes'])} ranks reported"
+    assert max(m["state_bytes"]) <= 0.6 * ddp["memory"]["state_bytes"], "the mesh's ranks did not split the state"
+    want = 16 * (ddp["memory"]["param_bytes"] // 4) / m["tp"]
+    assert math.isclose(m["predicted_state_bytes"], want, rel_tol=1e-9), \
+        f"mesh_state_bytes {m['predicted_state_bytes']!r}: 16 bytes per parameter, over tp, expected {want:.6g}"
+    assert math.isclose(m["predicted_state_bytes"], m["state_bytes"][0], rel_tol=0.02), \
+        "the prediction is more than 2 % off the measured state"

@@ -1,7 +1,7 @@
 """Lab 07 hidden checks: the DDP and FSDP runs against their event files; answers recomputed from other records.
 
-The three training runs are engine runs with event files: their world size, strategy and loss curves are held
-against them. The SPMD experiments (tensor parallel, pipeline, resharding) write no event files and are held
+The four training runs (DDP, two FSDP modes, the dp x tp mesh) are engine runs with event files: their world
+size, strategy and loss curves are held against them. The SPMD experiments (tensor parallel, pipeline, resharding) write no event files and are held
 against each other. Every check needs a real run (`needs_run`).
 """
 import math
@@ -67,3 +67,14 @@ def planner_predicts_the_measured_state(r):
     measured = r["fsdp_runs"]["fsdp_full"]["memory"]["state_bytes"]
     assert math.isclose(r["planner"]["fp32_zero3_bytes"], measured, rel_tol=0.02), \
         f"planner {r['planner']['fp32_zero3_bytes']!r}, measured {measured}"
+
+
+@check(points=2, needs_run=True)
+def mesh_run_is_the_engine_run(r):
+    """The dp x tp run's loss curve is its event files', on 2 x workers ranks with strategy 3d."""
+    m, workers = r["mesh_run"], r["lab07_params"]["workers"]
+    found = evidence(r, m["run_dir"])
+    assert found["world_size"] == 2 * workers, f"{found['world_size']} ranks ran, {2 * workers} expected"
+    assert found["strategy"] == "3d", f"the events show strategy {found['strategy']!r}"
+    assert found["loss_curve"] == m["loss_curve"], "the loss curve is not the run's"
+    close(found["final_loss"], m["final_loss"], rel=1e-6, what="mesh final loss")

@@ -14,7 +14,8 @@
   losses of the same steps trained unsplit on one process.
 - `reshard_save` / `reshard_restore`: an FSDP-sharded model and its Adam state saved with
   torch.distributed.checkpoint at one world size and restored at another (2 -> 1 -> 2), compared exactly.
-FSDP itself is the engine's strategy `fsdp`: train it with `launch(spec)` and read its `memory` events.
+FSDP itself is the engine's strategy `fsdp`, and a dp x tp x pp mesh its strategy `3d` (`parallel.tp`,
+`parallel.pp`; train/mesh.py): train them with `launch(spec)` and read their `memory` events.
 """
 from __future__ import annotations
 
