@@ -22,6 +22,8 @@ Each module serves one lab and builds its models, data and optimizers with the e
                    failure trace, a signal to one rank (preemption), recovery times read off a run's events.
 - `resilience_nodes` (lab 08) on the namespace cluster: a rank lost (restart from the node-local tier) vs a whole
                    node lost (restart on the survivor from the shared tier).
+- `elastic_horovod` (lab 08) a worker SIGKILLed under Horovod elastic: the survivors' rollback to the last
+                   commit, the re-formed world, recovery seconds, the final model against a replay.
 - `profiling`      a profiled run's traces read back: step phases, each collective, the comm/compute overlap per
                    rank, Horovod's timeline, and the Timeline figure (the Timeline widget's core).
 - `plots`          the labs' figures (matplotlib object API, PNG).

@@ -5,6 +5,12 @@
     report["resumed_step"]       # the last commit before the fault: where the survivors went on from
     report["recovery_s"]         # from the kill to the first step trained again by the re-formed group
     report["replay_max_diff"]    # the final model against one process replaying the same steps: ~1e-7
+    horovod_elastic_run("runs/back", steps=1500, fault_step=5, rejoin_s=2)   # world_sizes [3, 2, 3]
+
+The replay differs from the run only in the order of float sums (three partial gradients summed, not one); over
+tens of steps that stays near 1e-7, but a long run amplifies it (0.6 after 1500 steps here, with no fault at
+all), so compare short runs. A worker comes back (rejoin_s) only if the run outlasts the cooldown and a new
+process's start-up.
 
 The run is real: horovodrun with a host discovery script, one worker SIGKILLed at `fault_step`
 (train/hvd_elastic.py, launch/horovodrun.py).

@@ -17,7 +17,7 @@ permutation of the training set, and each worker takes its share of that slice; 
 and divided by the global batch, gradients summed over the workers. The global batch, the learning rate and the
 trajectory thus do not depend on how many workers there are — after a reset each survivor takes a larger share —
 and a run that lost a worker ends where one process replaying the same steps ends (`replay`), up to the order of
-the float sums.
+the float sums (about 1e-7 over tens of steps; a long run amplifies even that, fault or not).
 
 Every worker writes its own event file: the first ones as their launch rank, a worker that joins later as the next
 free number (`claim_worker`). A `recovered` event (mode elastic) names the workers lost and added, the world before
