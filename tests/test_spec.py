@@ -72,6 +72,8 @@ _OUT_OF_RANGE = {
     "world.wait": "busy", "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
     "optim.lr": 0.0, "optim.lr_scaling": "cubic", "optim.base_batch": 0, "optim.warmup_steps": -1,
     "optim.momentum": 1.0, "optim.weight_decay": -0.1, "optim.grad_accum": 0, "precision": "fp8",
+    "optim.kfac_damping": 0.0, "optim.kfac_factor_every": 0, "optim.kfac_inv_every": 0, "optim.kfac_kl_clip": -1.0,
+    "optim.kfac_grad_worker_fraction": 1.5,
     "checkpoint.every_steps": -1, "checkpoint.mode": "magic", "checkpoint.keep_last": 0, "checkpoint.keep_best": -1,
     "slurm.partition": "gpu\n#SBATCH --exclusive", "slurm.account": "a b", "slurm.reservation": "r;rm -rf /",
     "slurm.time": "forever", "slurm.gpus_per_node": -1, "slurm.cpus_per_task": 0, "slurm.mem": "lots",

@@ -109,7 +109,8 @@ class OptimSpec:
     """Optimisation: batch, learning rate and its scaling, optimizer."""
 
     name: str = "sgd"
-    """sgd, adamw, lars or lamb (LARS/LAMB from pytorch-optimizer)."""
+    """sgd, adamw, lars or lamb (LARS/LAMB from pytorch-optimizer), or kfac (SGD on K-FAC-preconditioned
+    gradients, distributed KAISA-style: scalelab/train/kfac.py)."""
     batch_per_worker: int = 32
     """Samples per rank per step; the global batch is this times the world size."""
     lr: float = 0.05
@@ -126,6 +127,17 @@ class OptimSpec:
     """Decoupled weight decay."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (no allreduce on all but the last)."""
+    kfac_damping: float = 0.003
+    """kfac: added to the Kronecker factors' eigenvalue products before inverting (larger: closer to SGD)."""
+    kfac_factor_every: int = 1
+    """kfac: steps between refreshes of the factors' running averages."""
+    kfac_inv_every: int = 10
+    """kfac: steps between eigendecompositions of the factors (the expensive part)."""
+    kfac_kl_clip: float = 0.001
+    """kfac: scale the preconditioned step down so lr^2 * v.g stays under this (0: no clipping)."""
+    kfac_grad_worker_fraction: float = 1.0
+    """kfac: KAISA's fraction of ranks that precondition each layer: 1 COMM-OPT (every rank holds every
+    layer's decomposition), 1/world MEM-OPT (one rank per layer, its result broadcast)."""
 
 
 @dataclass

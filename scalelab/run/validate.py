@@ -16,7 +16,7 @@ SCHEDULES = ("gpipe", "1f1b")
 SHARDINGS = ("full", "grad_op", "none")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "kfac")
 LR_SCALING = ("none", "linear", "sqrt")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_MODES = ("sync", "async", "sharded", "multilevel")
@@ -121,6 +121,11 @@ RULES = {
     "optim.momentum": (float, _unit_interval),
     "optim.weight_decay": (float, _non_negative_float),
     "optim.grad_accum": (int, _int_at_least(1, 1024)),
+    "optim.kfac_damping": (float, _positive_float),
+    "optim.kfac_factor_every": (int, _int_at_least(1, 100_000)),
+    "optim.kfac_inv_every": (int, _int_at_least(1, 100_000)),
+    "optim.kfac_kl_clip": (float, _non_negative_float),
+    "optim.kfac_grad_worker_fraction": (float, _bounded_float(0.0, 1.0)),
     "precision": (str, _choice(PRECISIONS)),
     "checkpoint.every_steps": (int, _int_at_least(0)),
     "checkpoint.mode": (str, _choice(CHECKPOINT_MODES)),
@@ -266,6 +271,7 @@ def _cross_checks(spec) -> None:
         raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
                                        "system: set data.format to files, shards or hdf5")
     _fsdp_checks(spec)
+    _kfac_checks(spec)
     _mesh_checks(spec)
     _profile_checks(spec)
     if spec.model.activation_checkpointing and spec.model.name != "transformer":
@@ -277,6 +283,22 @@ def _cross_checks(spec) -> None:
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")
+
+
+def _kfac_checks(spec) -> None:
+    """K-FAC preconditions whole layers, after data-parallel averaging: ddp (or one rank) only; KAISA's
+    gradient workers per layer must divide the ranks."""
+    if spec.optim.name != "kfac":
+        return
+    if spec.strategy != "ddp":
+        raise SpecError("optim.name", f"got 'kfac' with strategy {spec.strategy!r}; K-FAC needs each rank to hold "
+                                      "whole layers with averaged gradients: use strategy=ddp")
+    w, f = spec.world_size, spec.optim.kfac_grad_worker_fraction
+    workers = max(1, min(w, round(f * w)))
+    if f <= 0 or w % workers:
+        raise SpecError("optim.kfac_grad_worker_fraction",
+                        f"got {f:g}: {workers} gradient workers per layer do not divide the {w} ranks; pick k/{w} "
+                        f"with k dividing {w} (1/{w}: MEM-OPT, 1: COMM-OPT)")
 
 
 def _resilience_checks(spec) -> None:

@@ -49,7 +49,7 @@ def train(spec, info, events) -> dict:
     classes = int(dataset.tensors[1].max()) + 1
     model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, spec.seed).to(device)
     peak_lr = scaled_lr(spec.optim, spec.global_batch)
-    optimizer = build_optimizer(spec.optim, model.parameters(), peak_lr)
+    optimizer = build_optimizer(spec.optim, model, peak_lr)
     scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
 
     raw_model = model
