@@ -26,6 +26,10 @@ Each module serves one lab and builds its models, data and optimizers with the e
                    commit, the re-formed world, recovery seconds, the final model against a replay.
 - `profiling`      a profiled run's traces read back: step phases, each collective, the comm/compute overlap per
                    rank, Horovod's timeline, and the Timeline figure (the Timeline widget's core).
+- `optimization`   (lab 09) LARS with the student's trust ratio against pytorch-optimizer's, time to accuracy
+                   across optimizers and batches, K-FAC/KAISA trajectories and costs on ranks (`run_spmd`).
+- `workflows`      (lab 10) a lineage store of models sharing tensors with their parents, continual learning
+                   with a rehearsal buffer spread over the ranks, a performance model from the course's runs.
 - `plots`          the labs' figures (matplotlib object API, PNG).
 
 Lab-only measurement code lives here and nowhere else: `scalelab.data` and `scalelab.ckpt` are the engine's.
