@@ -24,6 +24,12 @@ Each module serves one lab and builds its models, data and optimizers with the e
                    node lost (restart on the survivor from the shared tier).
 - `elastic_horovod` (lab 08) a worker SIGKILLed under Horovod elastic: the survivors' rollback to the last
                    commit, the re-formed world, recovery seconds, the final model against a replay.
+- `hpo`            (lab 10) parallel hyperparameter search with optuna: worker processes or one sbatch job per
+                   worker sharing a journal file, trials stopped early by the median pruner, steps saved.
+- `nas`            (lab 10) architecture search where children start from their parent's weights (Net2Net-style
+                   widen/deepen, function-preserving) vs from scratch: accuracy, steps saved, lineage.
+- `queue_sim`      (lab 10) a FIFO + backfill queue over a seeded trace; a job chain submitted reactively, with
+                   afterok, or at a predicted wait (Mirage-style): idle gaps and queue time.
 - `profiling`      a profiled run's traces read back: step phases, each collective, the comm/compute overlap per
                    rank, Horovod's timeline, and the Timeline figure (the Timeline widget's core).
 - `optimization`   (lab 09) LARS with the student's trust ratio against pytorch-optimizer's, time to accuracy
