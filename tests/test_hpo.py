@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from scalelab.errors import SpecError
+from scalelab.errors import RunFailed, SpecError
 from scalelab.experiments import hpo
 
 
@@ -53,6 +53,12 @@ def test_a_bad_argument_names_itself(tmp_path, kwargs, field):
     assert e.value.field == field and field in str(e.value)
 
 
+def test_a_failing_worker_is_named_with_its_exit_status(tmp_path):
+    with pytest.raises(RunFailed) as e:
+        hpo.parallel_hpo(tmp_path, trials=2, workers=1, steps=20, python="/bin/false")
+    assert "HPO worker 0 exited with status 1" in str(e.value) and e.value.rank == 0
+
+
 def test_the_worker_batch_script_is_one_task_on_one_cpu(tmp_path):
     text = hpo.worker_script(tmp_path, 3, python="/venv/bin/python")
     assert "#SBATCH --ntasks=1" in text and "#SBATCH --cpus-per-task=1" in text
@@ -67,4 +73,4 @@ def test_two_sbatch_workers_run_the_search_on_slurm(slurm_cluster, tmp_path):
     assert r["launcher"] == "slurm" and [t["number"] for t in r["trials"]] == list(range(6))
     assert set(r["trials_per_worker"]) == {0, 1}  # both batch jobs ran trials
     assert all(t["state"] in ("complete", "pruned") for t in r["trials"]) and r["best"]["value"] > 0.3
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["worker-0.log", "worker-1.log"]
+    assert all("trial" in (tmp_path / "logs" / f"worker-{i}.log").read_text() for i in (0, 1))

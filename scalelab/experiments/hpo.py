@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..cluster.slurm import job_fields, job_phase, slurm_command, slurm_env
 from ..errors import LaunchError, RunFailed, SpecError
+from ..launch.base import start_process
 from ..run.procs import scrub_env
 from .large_batch import _batches, one_thread
 
@@ -185,14 +186,9 @@ def _check(trials, workers, steps, report_every, launcher) -> None:
 
 
 def _start_local(out_dir: Path, workers: int, env: dict, python) -> list:
-    """Start the workers as subprocesses; returns their Popen objects."""
-    procs = []
-    for i in range(workers):
-        log = open(out_dir / "logs" / f"worker-{i}.log", "w")
-        procs.append(subprocess.Popen(worker_command(out_dir, i, python), env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
-    return procs
+    """Start the workers as subprocesses that end if this process dies (a dead kernel leaves none behind)."""
+    return [start_process(worker_command(out_dir, i, python), env, out_dir / "logs" / f"worker-{i}.log")
+            for i in range(workers)]
 
 
 def _wait_local(procs: list, out_dir: Path, deadline: float) -> None:
@@ -201,8 +197,6 @@ def _wait_local(procs: list, out_dir: Path, deadline: float) -> None:
         try:
             rc = p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
             raise RunFailed(f"HPO workers still running after the timeout; see {out_dir}/logs") from None
         if rc:
             raise RunFailed(f"HPO worker {i} exited with status {rc}: {_tail(out_dir, i)}", rank=i,
@@ -221,6 +215,8 @@ def _start_slurm(out_dir: Path, workers: int, env: dict, python) -> list[str]:
                 slurm_command(["scancel", job], env)
             raise LaunchError(f"sbatch refused HPO worker {i}: {(r.stderr or r.stdout).strip()} (script: {script})")
         jobs.append(r.stdout.strip().split(";")[0])
+        # cancels the job if this process dies before it ends (a SIGKILL, a dead kernel)
+        start_process([sys.executable, "-m", "scalelab.cluster.guard", jobs[-1]], env, out_dir / f"guard-{i}.log")
     return jobs
 
 
@@ -237,9 +233,7 @@ def _wait_slurm(jobs: list[str], out_dir: Path, env: dict, deadline: float) -> N
                     raise RunFailed(f"HPO worker {i} (job {job}) ended {state}: {_tail(out_dir, i)}", rank=i,
                                     run_dir=str(out_dir))
         if pending and time.monotonic() > deadline:
-            for job in pending.values():
-                slurm_command(["scancel", job], env)
-            raise RunFailed(f"HPO worker jobs {sorted(pending.values())} did not end before the timeout; cancelled")
+            raise RunFailed(f"HPO worker jobs {sorted(pending.values())} did not end before the timeout")
         time.sleep(0.5 if pending else 0)
 
 
@@ -285,10 +279,22 @@ def parallel_hpo(out_dir, trials: int = 16, workers: int = 2, steps: int = 80, s
     env["OMP_NUM_THREADS"] = "1"
     start, deadline = time.monotonic(), time.monotonic() + timeout
     if launcher == "local":
-        _wait_local(_start_local(out_dir, workers, env, python), out_dir, deadline)
+        procs = _start_local(out_dir, workers, env, python)
+        try:
+            _wait_local(procs, out_dir, deadline)
+        finally:  # an interrupt (or a failed worker) ends the others
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
     else:
         env = slurm_env(env)
-        _wait_slurm(_start_slurm(out_dir, workers, env, python), out_dir, env, deadline)
+        jobs = _start_slurm(out_dir, workers, env, python)
+        try:
+            _wait_slurm(jobs, out_dir, env, deadline)
+        except BaseException:
+            for job in jobs:
+                slurm_command(["scancel", job], env)
+            raise
     return {**summarize(out_dir), "launcher": launcher, "workers": workers, "wall_s": time.monotonic() - start}
 
 

@@ -2,7 +2,8 @@
 
     r = evolve(generations=4, steps=60, seed=0, out_dir="runs/nas")
     r["models"][2]   # {"id", "parent", "arch": {"depth", "width"}, "mutation", "accuracy", "start_accuracy",
-                     #  "scratch_accuracy", "steps", "scratch_steps_to_match", "steps_saved", "state_dict", "path"}
+                     #  "scratch_accuracy", "steps", "scratch_steps_to_match", "steps_saved", "seconds_saved",
+                     #  "model", "state_dict", "path", "curve", "scratch_curve"}
     r["lineage"]     # {child id: parent id}: what a lineage store keeps, with each model's state_dict
 
 The search space is the engine's MLP (`scalelab.train.models.MLP`) on the digits set: `depth` hidden layers of
@@ -20,7 +21,8 @@ parent's weights, function-preserving in the style of Net2Net (Chen, Goodfellow,
 
 Each transferred child is compared with the same architecture trained from scratch (the engine's initialisation)
 for the same number of steps, and the scratch run continues until it matches the transferred child's accuracy:
-"steps saved" is how many more steps scratch needed (a lower bound when it never got there in its budget).
+"steps saved" is how many more steps scratch needed (a lower bound when it never got there in its budget), and
+"seconds_saved" those steps at the measured time per step (GPU-hours saved, on a GPU).
 """
 from __future__ import annotations
 
@@ -174,7 +176,7 @@ def compare_child(data: Digits, parent: nn.Module, mutation: str, steps: int, se
             "accuracy": accuracy, "curve": curve, "scratch_accuracy": at_equal, "scratch_curve": scratch_curve,
             "scratch_steps_to_match": match, "matched": match is not None,
             "steps_saved": (match if match is not None else match_budget * steps) - steps,
-            "s_per_step": s_per_step}
+            "s_per_step": s_per_step, "seconds_saved": ((match or match_budget * steps) - steps) * s_per_step}
 
 
 def evolve(generations: int = 4, steps: int = 60, seed: int = 0, start: tuple = (1, 16), max_depth: int = 4,
