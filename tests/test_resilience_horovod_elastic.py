@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scalelab.errors import LaunchError, SpecError
-from scalelab.experiments.elastic_horovod import elastic_spec, horovod_elastic_run
+from scalelab.experiments.elastic_horovod import elastic_report, elastic_spec, horovod_elastic_run
 from scalelab.launch import launch
 from scalelab.launch.horovodrun import write_discovery_script
 from scalelab.train.hvd_elastic import replay
@@ -133,3 +133,17 @@ def test_the_discovery_script_inside_an_allocation_lists_its_hosts_with_their_sl
 
 def _run(script) -> list[str]:
     return subprocess.run(["sh", str(script)], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_the_report_reads_a_survivor_when_worker_0_was_the_one_lost():
+    events = [
+        {"type": "start", "rank": 0, "t": 0.0, "world_size": 3}, {"type": "fault", "rank": 0, "t": 5.0, "step": 8},
+        {"type": "start", "rank": 1, "t": 0.0, "world_size": 3},
+        {"type": "recovered", "rank": 1, "t": 6.5, "lost": [0], "world_size": 2, "failed_step": 8, "resumed_step": 6,
+         "rolled_back_steps": 2, "detected_t": 6.0, "recover_s": 0.5},
+        {"type": "step", "rank": 1, "t": 7.0, "step": 7}, {"type": "end", "rank": 1, "t": 9.0, "world_size": 2,
+                                                           "final_loss": 0.5}]
+    report = elastic_report(events)
+    assert (report["world_sizes"], report["lost"], report["resumed_step"], report["final_world_size"]) == \
+        ([3, 2], [0], 6, 2)
+    assert (report["detect_s"], report["recovery_s"]) == (1.0, 2.0)

@@ -1,6 +1,6 @@
 """Lab 08 (resilience): lose a worker under Horovod elastic and watch the survivors roll back and finish.
 
-    report = horovod_elastic_run("runs/elastic", steps=40, fault_step=12)
+    report = horovod_elastic_run("runs/elastic", steps=40, fault_step=14)
     report["world_sizes"]        # [3, 2]: the group before and after the reset
     report["resumed_step"]       # the last commit before the fault: where the survivors went on from
     report["recovery_s"]         # from the kill to the first step trained again by the re-formed group
@@ -24,7 +24,7 @@ import torch
 from ..run.spec import preset
 
 
-def elastic_spec(out_dir, steps: int = 40, fault_step: int = 12, workers: int = 3, commit_every: int = 4,
+def elastic_spec(out_dir, steps: int = 40, fault_step: int = 14, workers: int = 3, commit_every: int = 4,
                  fault_rank: int = 1, detect_timeout_s: float = 10.0, rejoin_s: int = 0, **overrides):
     """The tiny preset's MLP on `workers` Horovod elastic workers, worker `fault_rank` SIGKILLed before step
     `fault_step` (fault_step < 0: no fault); `overrides` are dotted RunSpec fields."""
@@ -35,10 +35,10 @@ def elastic_spec(out_dir, steps: int = 40, fault_step: int = 12, workers: int = 
         "world.rejoin_s": rejoin_s, "fault.detect_timeout_s": detect_timeout_s, **fault, **overrides})
 
 
-def horovod_elastic_run(out_dir, steps: int = 40, fault_step: int = 12, timeout: float = 300, **options) -> dict:
+def horovod_elastic_run(out_dir, steps: int = 40, fault_step: int = 14, timeout: float = 300, **options) -> dict:
     """Run `elastic_spec(out_dir, steps, fault_step, **options)` to the end; what the reset cost and where it ended.
 
-    Keys: run_dir, finished (the run succeeded), status, world_sizes (rank 0's group sizes, in order), lost,
+    Keys: run_dir, finished (the run succeeded), status, world_sizes (a survivor's group sizes, in order), lost,
     failed_step (where the survivors noticed), resumed_step (the commit they rolled back to), rolled_back_steps,
     detect_s (kill -> the failed collective), recover_s (-> re-formed and synced), recovery_s (kill -> a step
     trained again), final_world_size, final_loss, elapsed_s, replay_max_diff (largest parameter difference to
@@ -62,8 +62,11 @@ def horovod_elastic_run(out_dir, steps: int = 40, fault_step: int = 12, timeout:
     return report
 
 
-def elastic_report(events: list[dict], rank: int = 0) -> dict:
-    """What `rank`'s events say about its resets: the group sizes, the first reset's steps and times."""
+def elastic_report(events: list[dict], rank: int | None = None) -> dict:
+    """What worker `rank`'s events say about its resets (default: the lowest worker that finished, a survivor):
+    the group sizes, the first reset's steps and times."""
+    if rank is None:
+        rank = min((e["rank"] for e in events if e["type"] == "end"), default=0)
     mine = [e for e in events if e["rank"] == rank]
     starts = [e for e in mine if e["type"] == "start"]
     resets = [e for e in mine if e["type"] == "recovered"]
