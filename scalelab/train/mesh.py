@@ -96,7 +96,7 @@ class MeshStrategy(PartitionedModelStrategy):
         if cuts is not None:
             first, last = cuts[self.p], cuts[self.p + 1]
             if first > 0:  # one sample through the stages before: the activation's shape (tp collectives inside)
-                x0 = torch.zeros(1, *model.sample_shape)
+                x0 = torch.zeros(1, *model.sample_shape, device=self.device)
                 with torch.no_grad():
                     self.boundary = tuple(model.forward_units(x0, 0, first).shape[1:])
             model.keep_units(first, last)
@@ -142,7 +142,7 @@ class MeshStrategy(PartitionedModelStrategy):
         model.eval()
         stage, group = self.stage, self.groups.get("pp")
         if stage is not None and stage.prev is not None:
-            x = torch.empty(len(x), *self.boundary)
+            x = torch.empty(len(x), *self.boundary, device=self.device)
             dist.recv(x, src=stage.prev, group=group)
         out = model(x)
         model.train()
@@ -155,7 +155,7 @@ class MeshStrategy(PartitionedModelStrategy):
 
     def _from_last(self, value: float) -> torch.Tensor:
         """The last stage's value on every stage of this pipeline."""
-        t = torch.tensor(float(value), dtype=torch.float64)
+        t = torch.tensor(float(value), dtype=torch.float64, device=self.device if self.backend == "nccl" else "cpu")
         group = self.groups.get("pp")
         if group is not None:
             dist.broadcast(t, src=dist.get_process_group_ranks(group)[-1], group=group)
@@ -176,7 +176,8 @@ class MeshStrategy(PartitionedModelStrategy):
 
     def checkpointer(self, ckpt, directory) -> "RankCheckpointer":
         """Per-rank checkpoints of this mesh (checkpoint.mode sharded)."""
-        return RankCheckpointer(directory, self.info.rank, keep_last=ckpt.keep_last, keep_best=ckpt.keep_best)
+        return RankCheckpointer(directory, self.info.rank, keep_last=ckpt.keep_last, keep_best=ckpt.keep_best,
+                                device=self.device if self.backend == "nccl" else "cpu")
 
 
 class RankCheckpointer(SyncCheckpointer):
@@ -187,16 +188,17 @@ class RankCheckpointer(SyncCheckpointer):
 
     mode = "sharded"
 
-    def __init__(self, directory, rank: int, keep_last: int = 2, keep_best: int = 0):
+    def __init__(self, directory, rank: int, keep_last: int = 2, keep_best: int = 0, device="cpu"):
         super().__init__(Path(directory) / f"rank-{rank:05d}", keep_last, keep_best, writer=True)
+        self.device = device  # where the agreement's all-reduce runs (NCCL: the rank's GPU)
 
     def latest(self) -> Path | None:
         """This rank's file of the newest step every rank saved, or None (collective: every rank calls it)."""
         entries = {e["step"]: e for e in read_manifest(self.directory)}
-        newest = torch.tensor(max(entries, default=-1), dtype=torch.int64)
+        newest = torch.tensor(max(entries, default=-1), dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-        have = torch.tensor(int(int(newest) in entries), dtype=torch.int64)
+        have = torch.tensor(int(int(newest) in entries), dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(have, op=dist.ReduceOp.MIN)  # all restore, or none (keep_last=1 may have dropped it)
         return self.directory / entries[int(newest)]["file"] if have else None

@@ -93,7 +93,7 @@ class PipelineStage:
                     # same backward work, the uniform stages the bubble formula assumes
                     x = micro_x[i].detach().requires_grad_(self.uniform)
                 else:
-                    x = torch.empty(boundary_shape(i))
+                    x = torch.empty(boundary_shape(i), device=micro_x[i].device)
                     dist.recv(x, src=self.prev, group=self.group)
                     x.requires_grad_(True)
                 t0 = time.perf_counter()
