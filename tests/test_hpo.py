@@ -32,6 +32,7 @@ def test_two_local_workers_share_exactly_the_trials_and_prune_some(local_run):
     assert r["best"]["state"] == "complete" and r["best"]["value"] > 0.5
     assert r["best"]["value"] == max(t["value"] for t in r["trials"] if t["state"] == "complete")
     assert set(r["best"]["params"]) == {"lr", "width", "weight_decay"}
+    assert all(0 < t["seconds"] < 60 for t in r["trials"])
 
 
 def test_one_worker_with_the_same_seed_proposes_the_same_first_trials(local_run, tmp_path):

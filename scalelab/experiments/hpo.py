@@ -251,7 +251,10 @@ def prepare_study(out_dir, trials: int, steps: int, seed: int, report_every: int
     out_dir = Path(out_dir).resolve()
     for old in ("study.journal", "claims", "logs", "ready", "hpo.json"):
         path = out_dir / old
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     (out_dir / "claims").mkdir(parents=True)
     (out_dir / "logs").mkdir()
     cfg = {"study": "scalelab-hpo", "trials": trials, "steps": steps, "seed": seed, "report_every": report_every,
@@ -299,8 +302,9 @@ def parallel_hpo(out_dir, trials: int = 16, workers: int = 2, steps: int = 80, s
 
 
 def summarize(out_dir) -> dict:
-    """What the study in `out_dir` found: {"trials": [{number, params, value, state, steps, pid, host, worker}],
-    "best", "complete", "pruned", "steps_run", "steps_saved", "steps_budget", "trials_per_worker", "journal"}."""
+    """What the study in `out_dir` found: {"trials": [{number, params, value, state, steps, pid, host, worker,
+    seconds}], "best", "complete", "pruned", "steps_run", "steps_saved", "steps_budget", "trials_per_worker",
+    "journal", "seed"}."""
     import optuna
     out_dir = Path(out_dir)
     cfg = json.loads((out_dir / "hpo.json").read_text())
@@ -311,7 +315,8 @@ def summarize(out_dir) -> dict:
         rows.append({"number": t.number, "params": dict(t.params), "state": t.state.name.lower(),
                      "value": t.value if t.value is not None else t.intermediate_values.get(a.get("steps")),
                      "steps": a.get("steps", 0), "pid": a.get("pid"), "host": a.get("host"),
-                     "worker": a.get("worker")})
+                     "worker": a.get("worker"), "seconds": (t.datetime_complete - t.datetime_start).total_seconds()
+                     if t.datetime_complete and t.datetime_start else None})
     done = [r for r in rows if r["state"] == "complete"]
     best = max(done, key=lambda r: r["value"]) if done else None
     per_worker: dict = {}
