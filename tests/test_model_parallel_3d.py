@@ -1,7 +1,8 @@
 """3D parallelism in the engine (strategy 3d, train/mesh.py): dp x tp and dp x pp meshes on 4 gloo ranks train to
 DDP's losses, accuracy and parameters at the same global batch and seed, each rank holding its shard; the
 transformer split by heads (tp) and cut into stages (pp) follows DDP too; a tp x pp run resumed from its per-rank
-checkpoints continues exactly; a layout the world does not fill names the field and the fix."""
+checkpoints continues exactly; a layout the world does not fill names the field and the fix; ranks are grouped
+Megatron-style and the transformer's stages compose to the whole model."""
 from __future__ import annotations
 
 import shutil
@@ -10,6 +11,7 @@ import pytest
 
 from scalelab.errors import SpecError
 from scalelab.launch import launch
+from scalelab.train.mesh import coordinates, mesh_groups
 
 from helpers import final_params, tiny
 
@@ -115,3 +117,31 @@ def test_a_bad_mesh_names_the_field_and_the_fix(tmp_path, changes, field, hint):
     with pytest.raises(SpecError) as err:
         tiny(tmp_path, workers=4, strategy="3d", **changes)
     assert err.value.field == field and hint in str(err.value), str(err.value)
+
+
+def test_mesh_ranks_are_grouped_tp_innermost_then_pp_then_dp():
+    groups = mesh_groups(dp=2, tp=2, pp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours: one node's GPUs
+    assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # outermost: may cross nodes
+    for kind, axis in (("dp", 0), ("pp", 1), ("tp", 2)):  # a group's ranks differ in its own coordinate only
+        for ranks in groups[kind]:
+            coords = [coordinates(r, tp=2, pp=2) for r in ranks]
+            assert [c[axis] for c in coords] == list(range(2))
+            assert len({c[:axis] + c[axis + 1:] for c in coords}) == 1
+
+
+def test_transformer_stages_compose_to_the_whole_model_and_keep_its_names():
+    import torch
+    from scalelab.run.spec import ModelSpec
+    from scalelab.train.models import build_model
+    model = build_model(ModelSpec("transformer", width=32, depth=2), 1, 16, 4, seed=0)
+    x = torch.randn(3, 1, 16, 16)
+    whole = model(x)
+    assert len(model.unit_sizes()) == 4 and sum(model.unit_sizes()) == sum(p.numel() for p in model.parameters())
+    staged = model.forward_units(model.forward_units(x, 0, 2), 2, 4)
+    assert torch.equal(staged, whole)
+    names = {n for n, _ in model.named_parameters()}
+    model.keep_units(2, 4)  # block 1, the norm and the head
+    kept = {n for n, _ in model.named_parameters()}
+    assert kept < names and all(n.startswith(("encoder.layers.1.", "norm.", "head.")) for n in kept)
