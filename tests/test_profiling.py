@@ -111,6 +111,8 @@ def test_a_fsdp_trace_shows_all_gathers_and_reduce_scatters(tmp_path):
     ({"profile.wait_steps": -1}, "profile.wait_steps", "at least 0"),
     ({"profile.enabled": "yes"}, "profile.enabled", "true or false"),
     ({"profile.enabled": True, "steps": 4}, "profile.active_steps", "raise steps"),
+    ({"profile.enabled": True, "strategy": "horovod", "launcher": "horovodrun", "world.max_restarts": 1},
+     "profile.enabled", "world.max_restarts=0"),
 ])
 def test_a_bad_profile_field_names_the_field_and_the_fix(change, field, hint):
     with pytest.raises(SpecError) as err:

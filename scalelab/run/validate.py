@@ -432,3 +432,7 @@ def _profile_checks(spec) -> None:
                                                 f"{p.warmup_steps} + {p.active_steps} is more than steps="
                                                 f"{spec.steps}: the trace would never be written; lower them or "
                                                 "raise steps")
+    if p.enabled and horovod_elastic(spec):
+        raise SpecError("profile.enabled", "Horovod elastic (world.max_restarts > 0) runs its own loop, which is not "
+                                           "profiled: profile a run with world.max_restarts=0, or set "
+                                           "profile.enabled=false")
