@@ -43,6 +43,7 @@ from ..run.validate import horovod_elastic
 from .faults import maybe_inject, targets
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
+from .strategies import pick_device
 
 
 def is_elastic(spec) -> bool:
@@ -83,11 +84,13 @@ def share(indices: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return indices.tensor_split(world)[rank]
 
 
-def _setup(spec):
-    """Data, model, optimizer and learning rate, as every worker and `replay` build them."""
+def _setup(spec, device=None):
+    """Data, model, optimizer and learning rate, as every worker and `replay` build them (on `device`: CPU)."""
     dataset = build_dataset(spec.data, spec.seed)
     x, y = dataset.tensors
     model = build_model(spec.model, x.shape[1], x.shape[-1], int(y.max()) + 1, spec.seed)
+    if device is not None and device.type != "cpu":
+        x, y, model = x.to(device), y.to(device), model.to(device)
     peak_lr = scaled_lr(spec.optim, spec.global_batch)
     return x, y, model, build_optimizer(spec.optim, model.parameters(), peak_lr), peak_lr
 
@@ -171,15 +174,17 @@ def train(spec, info, events) -> dict:
     threads = threads_per_rank(spec, spec.world.workers_per_node)  # every pseudo-host is this node: share its CPUs
     torch.set_num_threads(threads)
     hvd.init()
-    x_all, y_all, model, optimizer, peak_lr = _setup(spec)
+    # on one node every slot is its own host (local rank 0): the worker number spreads the GPUs instead
+    device = pick_device(spec, info.rank)
+    x_all, y_all, model, optimizer, peak_lr = _setup(spec, device)
     g, total, run_dir = spec.global_batch, spec.steps, Path(spec.output_dir)
     # op=Sum: each worker's loss is already its share of the global mean, whatever the world size
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Sum)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
     group = _Membership(hvd, info.rank, events)
-    autocast = _autocast(spec, torch.device("cpu"))
+    autocast = _autocast(spec, device)
     events.emit("start", world_size=hvd.size(), local_rank=info.local_rank, rank_source=info.source,
-                backend="horovod-gloo", device="cpu", threads=threads, wait="block", pid=os.getpid(),
+                backend="horovod-gloo", device=str(device), threads=threads, wait="block", pid=os.getpid(),
                 host=socket.gethostname(), horovod_host=os.environ.get("HOROVOD_HOSTNAME"), total_steps=total,
                 start_step=0, resumed_from=None, global_batch=g, peak_lr=peak_lr, elastic=True, hvd_rank=hvd.rank(),
                 commit_every=spec.world.commit_every, parameters=sum(p.numel() for p in model.parameters()),
@@ -194,7 +199,7 @@ def train(spec, info, events) -> dict:
             for pg in optimizer.param_groups:
                 pg["lr"] = lr
             t0 = time.perf_counter()
-            idx = share(batch_indices(step, len(y_all), g, spec.seed), hvd.rank(), hvd.size())
+            idx = share(batch_indices(step, len(y_all), g, spec.seed), hvd.rank(), hvd.size()).to(device)
             x, y = x_all[idx], y_all[idx]
             data_s = time.perf_counter() - t0
             optimizer.zero_grad()
@@ -217,7 +222,7 @@ def train(spec, info, events) -> dict:
                 t_commit = time.perf_counter()
                 state.commit()  # a copy to host memory, then a check for hosts added or removed
                 events.emit("commit", step=done, world_size=hvd.size(), commit_s=time.perf_counter() - t_commit)
-        return {"final_loss": loss_value, "eval_accuracy": _evaluate(hvd, model, spec, autocast)}
+        return {"final_loss": loss_value, "eval_accuracy": _evaluate(hvd, model, spec, autocast, device)}
 
     @hvd.elastic.run
     def elastic_steps(state) -> dict:
@@ -233,7 +238,7 @@ def train(spec, info, events) -> dict:
 
     result = elastic_steps(state)
     if hvd.rank() == 0:
-        torch.save(model.state_dict(), run_dir / "model.pt")
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, run_dir / "model.pt")
     end = dict(steps=total, **result, elapsed_s=time.perf_counter() - started, world_size=hvd.size(),
                resets=group.resets, members=group.members)
     events.emit("end", **end)
@@ -242,10 +247,10 @@ def train(spec, info, events) -> dict:
 
 
 @torch.no_grad()
-def _evaluate(hvd, model, spec, autocast) -> float:
+def _evaluate(hvd, model, spec, autocast, device) -> float:
     """Accuracy on the held-out set, split over the current workers (correct answers summed, not averaged)."""
     x, y = build_eval_set(spec.data, spec.seed)
-    x, y = x.tensor_split(hvd.size())[hvd.rank()], y.tensor_split(hvd.size())[hvd.rank()]
+    x, y = x.tensor_split(hvd.size())[hvd.rank()].to(device), y.tensor_split(hvd.size())[hvd.rank()].to(device)
     model.eval()
     with autocast:
         correct = float((model(x).argmax(dim=1) == y).sum()) if len(y) else 0.0
