@@ -330,7 +330,8 @@ class NodesCluster(LocalCluster):
 
     def lose_node(self, node: str, reason: str = "lost (scalelab lose_node)") -> None:
         """A crashed node: every process on it SIGKILLed, its /dev/shm gone with them, and the node DOWN in
-        slurmctld now (it would mark it so itself after SlurmdTimeout): its batch jobs are requeued, new jobs avoid it."""
+        slurmctld now (it would mark it so itself after SlurmdTimeout): its batch jobs are requeued, new jobs
+        avoid it."""
         self.kill_node(node)
         r = self.run("scontrol", "update", f"NodeName={node}", "State=DOWN", f"Reason={reason}", check=False)
         if r.returncode:
