@@ -66,6 +66,9 @@ def test_run_rows_reads_each_engine_runs_shape_and_throughput(tmp_path):
         assert (row["batch"], row["ranks"], row["nodes"], row["link_mbit"]) == (batch, ranks, 1, 100.0)
         assert row["samples_per_s"] == pytest.approx(summary["samples_per_s"])
     assert len(wf.run_rows(tmp_path)) == 2 and wf.run_rows(tmp_path)[0]["link_mbit"] == 1e4
+    again = launch(spec.with_overrides({"optim.batch_per_worker": 2 * batch})).wait(timeout=180)  # same folder
+    row = next(r for r in wf.run_rows(tmp_path) if r["run_dir"] == spec.output_dir)
+    assert row["batch"] == 2 * batch and row["samples_per_s"] == pytest.approx(again["samples_per_s"])
 
 
 def test_the_performance_model_recovers_a_power_law_and_predicts_held_out_shapes():

@@ -197,7 +197,7 @@ def run_rows(root, links: dict | None = None) -> list[dict]:
             continue
         spec = json.loads(spec_path.read_text())
         world = spec["world"]["workers_per_node"] * spec["world"]["nodes"]
-        events = EventReader(run_dir).poll()
+        events = last_launch(EventReader(run_dir).poll())
         params = next((e.get("parameters") for e in events if e["type"] == "start" and e.get("parameters")), None)
         s = summarize(events, world)
         if not s.get("samples_per_s") or not params:
@@ -207,6 +207,16 @@ def run_rows(root, links: dict | None = None) -> list[dict]:
                      "link_mbit": link_mbit((links or {}).get(str(run_dir), "")),
                      "samples_per_s": s["samples_per_s"]})
     return rows
+
+
+def last_launch(events: list[dict]) -> list[dict]:
+    """Each rank's events from its last start event on: a relaunch into the same folder appends a new launch
+    to the rank files, and the row describes the run as it was last made (as Run.wait() reported it)."""
+    last = {}
+    for i, e in enumerate(events):
+        if e.get("type") == "start":
+            last[e["rank"]] = i
+    return [e for i, e in enumerate(events) if i >= last.get(e.get("rank"), 0)]
 
 
 def link_mbit(text: str) -> float:
