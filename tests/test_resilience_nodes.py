@@ -53,13 +53,14 @@ def test_a_rank_lost_restarts_from_node_local_a_node_lost_from_shared_and_ends_e
 
     # 1. rank 1 SIGKILLed: the job fails; node1 (rank 0, the writer) lives on
     assert crash["status"] == "failed" and crash["saved_local"] and crash["slurm_restarts"] == 0
-    assert crash["slurm_state"] in ("FAILED", "CANCELLED")  # srun's verdict, or our cancel if a peer's error came first
+    assert crash["slurm_state"] in ("FAILED", "CANCELLED")  # srun's verdict, or our cancel after a peer's error
     # 2. the relaunch on both nodes reads node1's /dev/shm: the newest checkpoint, nothing lost
     assert lost["tier"] == "local" and lost["resumed_from"].startswith("/dev/shm/scalelab-ckpt-")
     assert lost["host"] == "node1" and lost["start_step"] == crash["saved_local"][-1] > 0
-    # node1 lost: the run names it; Slurm itself requeued the job for the node failure (we then cancelled it)
-    assert lost["status"] == "failed" and "node node1 was lost" in lost["error"]
-    assert lost["slurm_restarts"] == 1
+    # node1 lost: Slurm itself requeued the job for the node failure (then we cancelled it); the run named the lost
+    # node if rank 1 reported its vanished peer before Slurm killed it, else we stopped the requeued job
+    assert lost["slurm_restarts"] == 1 and lost["slurm_state"] in ("CANCELLED", "COMPLETING")
+    assert (lost["status"], "node node1 was lost" in (lost["error"] or "")) in (("failed", True), ("stopped", False))
     assert story["shared_at_loss"][-1] > lost["start_step"]  # a checkpoint of this attempt reached the shared tier
     # 3. the finish on node2 alone (1 node x 2 ranks) reads the shared tier's newest checkpoint
     assert story["survivor_hosts"] == ["node2"] and finish["host"] == "node2"

@@ -11,7 +11,7 @@ Both tiers are complete checkpoints in the same format, so nothing else cares wh
     ck = MultiLevelCheckpointer("runs/x/checkpoints", "/dev/shm/scalelab-x", keep_last=2)
     ck.save(step, model, optimizer)      # blocks for the local write only
     ck.completed()                       # copies to the shared tier that finished since the last call
-    ck.latest()                          # local if it has the newest step, else shared
+    ck.latest()                          # local if it has the newest step, else shared (ranks agree on the step)
 """
 from __future__ import annotations
 
@@ -21,15 +21,21 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from .manifest import atomic_write, latest, read_manifest, record, verify
+from .manifest import atomic_write, read_manifest, record, verify
 from .sync import capture, load_checkpoint, write_checkpoint
 
 
 def default_local_dir(run_dir) -> Path:
-    """The node-local tier for a run: in memory (/dev/shm) when there is one, else the system's temp directory."""
+    """The node-local tier for a run: in memory (/dev/shm) when there is one, else the system's temp directory.
+
+    Named by the run directory's path and inode: a run directory deleted and made again under the same path is
+    another run, and must not resume from a local tier the old one left in a node's memory."""
+    import os
     import tempfile
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"scalelab-ckpt-{hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}"
+    run_dir = Path(run_dir).resolve()
+    ident = f"{run_dir}:{os.stat(run_dir).st_ino if run_dir.exists() else ''}"
+    return base / f"scalelab-ckpt-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
 
 
 class MultiLevelCheckpointer:
@@ -80,14 +86,28 @@ class MultiLevelCheckpointer:
         self._pending = still
         return done
 
+    def readable(self) -> dict[int, Path]:
+        """Every checkpoint this process can read, by step: the node-local tier's copy where it has the step (it
+        is faster), else the shared tier's."""
+        found = {int(e["step"]): self.directory / e["file"] for e in read_manifest(self.directory)}
+        found.update({int(e["step"]): self.local_dir / e["file"] for e in read_manifest(self.local_dir)})
+        return found
+
     def latest(self) -> Path | None:
-        """The node-local tier's newest checkpoint when it is at least as new as the shared one, else the shared
-        one (a lost node or a fresh allocation has no local tier)."""
-        local, shared = latest(self.local_dir), latest(self.directory)
-        steps = {p: read_manifest(p.parent)[-1]["step"] for p in (local, shared) if p is not None}
-        if not steps:
-            return None
-        return max(steps, key=lambda p: (steps[p], p == local))
+        """The newest checkpoint, from the node-local tier when this node holds it, else from the shared one (a
+        lost node or a fresh allocation has no local tier).
+
+        In a distributed run every rank must resume from the same step, but each node sees only its own local tier
+        (rank 0's node holds the newest; another node may hold a stale one of an earlier run in the same directory):
+        the ranks agree on the newest step that every one of them can read (one all_gather of step lists)."""
+        found = self.readable()
+        steps = set(found)
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(steps))
+            steps = set.intersection(*(set(s) for s in everyone))
+        return found[max(steps)] if steps else None
 
     def restore(self, model, optimizer, path=None) -> int:
         """Load the checkpoint `latest()` picks (or `path`); the step to continue from, 0 if there is none."""

@@ -13,10 +13,11 @@ really is node1's memory. The story, on real processes and a real Slurm:
    finds the newest checkpoint in node1's /dev/shm and reads the local tier.
 2. node1 is lost (`NodesCluster.lose_node`: every process on it SIGKILLed, its /dev/shm gone, slurmctld told it is
    DOWN). Slurm requeues the job ("requeue job due to failure of node node1": batch jobs are requeueable by
-   default), but it asks for 2 nodes and only node2 is up, so it would wait for node1; the run handle sees rank 0's
-   node gone, reports it and cancels the job. The relaunch runs as 1 node x 2 ranks (the same world size) on
-   node2, whose /dev/shm never held this run: it reads the shared tier — and loses the steps since the newest
-   checkpoint that reached it.
+   default), but it asks for 2 nodes and only node2 is up, so it would wait for node1. Either the run handle hears
+   of the lost node first (rank 1's peer error) and fails the run naming it, or it sees the job pending again; the
+   job is cancelled either way (status failed or stopped). The relaunch runs as 1 node x 2 ranks (the same world
+   size) on node2, whose /dev/shm never held this run: it reads the shared tier — and loses the steps since the
+   newest checkpoint that reached it.
 3. node1 is restored (`restore_node`) before this returns, even when something failed after it was lost: the
    cluster is shared.
 """
@@ -77,6 +78,23 @@ def _attempt(run, events: list[dict], how: str, summary: dict) -> dict:
             "last_step": max(_steps(events, "step"), default=start["start_step"])}
 
 
+def _end_lost(run, timeout: float = 90) -> dict:
+    """After the node loss: the run's own verdict (it names the lost node when a rank's peer reported it first), or
+    a stop once Slurm has requeued the job for the node failure (PENDING again with Restarts > 0: it would wait for
+    the lost node to come back). The run's summary either way."""
+    deadline = time.monotonic() + timeout
+    while run.status in ("pending", "running"):
+        info = run.job_info()
+        if info.get("JobState") == "PENDING" and int(info.get("Restarts", 0)) > 0:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {run.job_id} neither failed nor was requeued within {timeout:g} s of the node "
+                               f"loss (Slurm says {info.get('JobState')}, {info.get('Reason')})")
+        time.sleep(0.5)
+    run.stop()  # the requeued job would start again from the checkpoint once the node is back: not here
+    return run.summary()
+
+
 def _check_story(spec) -> None:
     """The story needs rank 0 on a node of its own that can be lost, writing multilevel checkpoints."""
     if spec.launcher != "slurm":
@@ -111,13 +129,14 @@ def node_loss(spec, state_dir: str | None = None, crash_after: int = 5, lose_aft
         attempts.append(_attempt(run, _attempt_events(run), "rank 1 killed", run.wait(timeout=60, check=False)))
 
         run = launch(spec, env=env)  # 2. relaunch on both nodes: node1's /dev/shm still holds the local tier
-        first = wait_until(run, lambda ev: any(e["type"] == "start" for e in ev), "its start", timeout)[0]["start_step"]
+        started = wait_until(run, lambda ev: any(e["type"] == "start" for e in ev), "its start", timeout)
+        first = started[0]["start_step"]
         wait_until(run, lambda ev: any(s > first for s in _steps(ev, "checkpoint_done"))
                    and max(_steps(ev, "step"), default=0) >= first + lose_after,
                    f"step {first + lose_after} with a checkpoint in the shared tier", timeout)
         lost_t, lost = time.time(), True
         cluster.lose_node(lose)
-        summary = run.wait(timeout=90, check=False)
+        summary = _end_lost(run)
         shared_at_loss = [e["step"] for e in read_manifest(run.run_dir / "checkpoints")]
         attempts.append(_attempt(run, _attempt_events(run), f"{lose} lost", summary))
 
