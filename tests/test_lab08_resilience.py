@@ -40,6 +40,8 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert r["elastic"]["identical"] is True and r["elastic"]["start_steps"] == [0, 10]
     assert r["forward"]["world_size"] == 1 and r["forward"]["lr_factor"] == 0.5
     assert r["recovery_speedup"] > 5  # new processes vs re-forming a group in place
+    h = r["hvd_elastic"]  # Horovod elastic: 3 workers, one SIGKILLed, the other two roll back and finish
+    assert h["world_sizes"] == [3, 2] and h["finished"] and h["replay_max_diff"] < 1e-4
 
 
 def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
@@ -72,6 +74,8 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path)
                                                                                             "node-local")),
      "multilevel_restart_reads_the_shared_tier"),
     (lambda r: r["multilevel"].update(start_step=r["multilevel"]["start_step"] - 5), "multilevel_run_is_the_engine_run"),
+    (lambda r: r["hvd_elastic"].update(final_world_size=3), "horovod_elastic_goes_on_with_the_survivors"),
+    (lambda r: r["hvd_elastic"].update(rolled_back_steps=0), "horovod_elastic_report_is_consistent"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

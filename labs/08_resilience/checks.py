@@ -120,3 +120,16 @@ def node_loss_restarts_read_the_right_tier(r):
         f"lost {n['lost_node']}, rank 0 was on {lost['host']}, the finish ran on {n['survivor_hosts']}"
     assert finish["status"] == "succeeded" and n["max_param_diff"] == 0.0, \
         f"the finish ended {finish['status']}, parameters differ by {n['max_param_diff']}"
+
+
+@check(points=1, needs_run=True)
+def horovod_elastic_goes_on_with_the_survivors(r):
+    """Horovod elastic: one worker lost, the others rolled back to their last commit and finished the run."""
+    h = r["hvd_elastic"]
+    assert h["finished"], f"the Horovod elastic run ended {h['status']}"
+    assert h["world_sizes"][0] == h["workers"] and h["final_world_size"] == h["workers"] - 1, \
+        f"workers {h['world_sizes']} -> {h['final_world_size']}: expected {h['workers']} -> {h['workers'] - 1}"
+    assert h["resumed_step"] <= h["failed_step"] and h["resumed_step"] % h["commit_every"] == 0, \
+        f"resumed from step {h['resumed_step']}: not a commit (every {h['commit_every']}) before step {h['failed_step']}"
+    assert h["replay_max_diff"] is not None and h["replay_max_diff"] < 1e-4, \
+        f"the final model is {h['replay_max_diff']} away from the one-process replay"

@@ -91,3 +91,13 @@ def node_loss_run_is_the_engine_run(r):
     assert found["launches"] == 3 and found["start_step"] == n["attempts"][-1]["start_step"], \
         f"events: {found['launches']} launches, the last from step {found['start_step']}"
     assert found["steps"] == r["lab08_params"]["steps"] and found["world_size"] == r["lab08_params"]["workers"]
+
+
+@check(points=1, needs_run=True)
+def horovod_elastic_report_is_consistent(r):
+    """The elastic run's report adds up: the rolled-back steps, the lost worker, detection before recovery."""
+    h = r["hvd_elastic"]
+    assert h["rolled_back_steps"] == h["failed_step"] - h["resumed_step"], "rolled_back_steps"
+    assert h["lost"] == [1] and h["resets"] >= 1, f"lost {h['lost']}: the fault was on worker 1"
+    assert 0 <= h["detect_s"] <= h["recovery_s"], f"detected {h['detect_s']} s, training again {h['recovery_s']} s"
+    assert h["fault_step"] is not None and h["resumed_step"] < h["fault_step"] + 1
