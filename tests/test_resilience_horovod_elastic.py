@@ -14,6 +14,7 @@ import torch
 
 from scalelab.errors import LaunchError, SpecError
 from scalelab.experiments.elastic_horovod import elastic_report, elastic_spec, horovod_elastic_run
+from scalelab.experiments.resilience import recovery
 from scalelab.launch import launch
 from scalelab.launch.horovodrun import write_discovery_script
 from scalelab.train.hvd_elastic import replay
@@ -48,6 +49,8 @@ def test_a_killed_worker_leaves_the_survivors_to_finish_from_the_last_commit(tmp
     assert (report["world_sizes"], report["lost"], report["resumed_step"], report["rolled_back_steps"]) == \
         ([3, 2], [1], 6, 2)
     assert 0 < report["detect_s"] < report["recovery_s"] < 60 and report["final_world_size"] == 2
+    rec = recovery([e for r in (0, 1, 2) for e in _events(run_dir, r)])  # lab 08's reading of any recovery
+    assert (rec["how"], rec["steps_redone"]) == ("elastic", 2)
     # exact rollback: the result is the uninterrupted trajectory (one process, whole global batches), up to the
     # order of float sums; two steps applied twice, or a model not restored, would be off by far more
     spec = elastic_spec(run_dir, steps=20, fault_step=8, commit_every=3)

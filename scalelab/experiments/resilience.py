@@ -159,15 +159,18 @@ def slurm_preempt(spec, after_step: int, timeout: float = 600) -> dict:
 def recovery(events: list[dict], rank: int = 0) -> dict:
     """From the injected fault to training again on `rank`: training_again_s (the first step finished after the
     failure was handled: a restarted worker's first step, or the survivors' redone step), back_s (until the step
-    after the fault is done: redone work included), steps_redone, and how (restart or forward)."""
+    after the fault is done: redone work included), steps_redone, and how (restart, forward or elastic: Horovod
+    elastic's rollback to a commit)."""
     fault = next(e for e in events if e["type"] == "fault")
     mine = [e for e in events if e["rank"] == rank and e["t"] > fault["t"]]
     resumed = [e for e in mine if e["type"] in ("start", "recovered")]
-    how = "forward" if any(e["type"] == "recovered" for e in resumed) else "restart" if resumed else "none"
+    how = ("elastic" if any(e.get("mode") == "elastic" for e in resumed if e["type"] == "recovered") else "forward"
+           if any(e["type"] == "recovered" for e in resumed) else "restart" if resumed else "none")
     after = resumed[-1]["t"] if resumed else fault["t"]
     steps = [e for e in mine if e["type"] == "step" and e["t"] > after]
     start = next((e for e in resumed if e["type"] == "start"), None)
-    redone = fault["step"] - start["start_step"] if start else 0
+    rolled = next((e for e in resumed if e["type"] == "recovered"), {})  # Horovod elastic: back to a commit
+    redone = fault["step"] - start["start_step"] if start else rolled.get("rolled_back_steps", 0)
     back = next((e for e in steps if e["step"] > fault["step"]), None)
     return {"how": how, "fault_step": fault["step"], "steps_redone": redone,
             "training_again_s": steps[0]["t"] - fault["t"] if steps else None,
