@@ -1,4 +1,4 @@
-"""Recovery time after a lost worker: restart from checkpoint, elastic torchrun, forward recovery.
+"""Recovery time after a lost worker: restart from checkpoint, elastic torchrun, Horovod elastic, forward recovery.
 
     .venv/bin/python bench/bench_recovery.py                  # writes bench/results/bench_recovery.json
     .venv/bin/python bench/bench_recovery.py --repeats 1      # quicker
@@ -12,6 +12,8 @@ RunSpec, so the moment is on the run's own clock, in its events). Measured from 
   new processes (Python, torch import, the group) and the first step.
 - elastic: torchrun with max_restarts=2 and a c10d rendezvous restarts the worker group itself and resumes from the
   checkpoint: no user in the loop, but still new processes.
+- horovod_elastic: strategy horovod under horovodrun's elastic mode (hvd.elastic.run): the survivors roll back to
+  the last in-memory commit (every `--every` steps), re-form and go on with fewer workers; no new processes.
 - forward: fault.recovery=forward; the survivors re-form the group and redo the failed step's all-reduce.
 steps_redone: the work since the checkpoint, done twice (0 for forward recovery, which keeps the in-memory state).
 Medians of `--repeats`; the load average is recorded (the machine is shared, figures are noisy).
@@ -60,6 +62,14 @@ def elastic(out: Path, args) -> dict:
     return recovery(run.events())
 
 
+def horovod_elastic(out: Path, args) -> dict:
+    run = launch(spec(out, args, strategy="horovod", launcher="horovodrun", **{
+        "world.max_restarts": 2, "world.commit_every": args.every, "checkpoint.every_steps": 0,
+        "fault.detect_timeout_s": 10.0}))
+    run.wait(timeout=300)
+    return recovery(run.events())
+
+
 def forward(out: Path, args) -> dict:
     run = launch(spec(out, args, **{"fault.recovery": "forward"}))
     run.wait(timeout=300)
@@ -76,14 +86,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_recovery.json"))
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
-    ways = {"restart": restart, "elastic": elastic, "forward": forward}
+    ways = {"restart": restart, "elastic": elastic, "horovod_elastic": horovod_elastic, "forward": forward}
     found: dict[str, list[dict]] = {k: [] for k in ways}
     with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
         for i in range(args.repeats):
             for name, fn in ways.items():  # interleaved: each way sees the same load on this shared machine
                 found[name].append(fn(Path(tmp) / f"{name}-{i}", args))
     result = {
-        "benchmark": "recovery time after a SIGKILLed rank: restart from checkpoint, elastic torchrun, forward",
+        "benchmark": "recovery time after a SIGKILLed rank: restart from checkpoint, elastic torchrun, Horovod "
+                     "elastic, forward",
         "command": "python bench/bench_recovery.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__},
