@@ -40,8 +40,9 @@ class OtherBatch:
                 batch = grade(FIXTURE / "labs" / "90_fixture", sorted(subs.glob("*.ipynb")),
                               self.out / f"round{self.rounds}", GradeOptions(jobs=1))
                 self.errors += [r.message for r in batch.results if r.status != "ok"]
-            except Exception as e:  # noqa: BLE001 - reported by the test, never hangs it
-                self.errors.append(repr(e))
+            except Exception:  # noqa: BLE001 - reported by the test (with where it came from), never hangs it
+                import traceback
+                self.errors.append(traceback.format_exc())
                 return
             self.rounds += 1
 

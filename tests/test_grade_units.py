@@ -315,3 +315,33 @@ def test_student_names_keep_any_script_and_length_and_file_keys_stay_short_and_d
     assert len(keys) == 6 and all(len(k) <= 71 and k.isascii() for k in keys) and "alice" in keys
     assert [csv_cell(x) for x in ("=1+1", "+x", "-2", "@a", "\tq", "ok", 3.5)] == \
         ["'=1+1", "'+x", "'-2", "'@a", "'\tq", "ok", 3.5]
+
+
+def test_checks_files_load_in_many_threads_at_once_each_with_its_own_checks(tmp_path):
+    """Two grading batches in one process (or the hub's dashboard beside a batch) load checks files at the same
+    time; each load collects exactly its own file's checks (a shared registry once raised TypeError in one of
+    them and mixed their checks)."""
+    import threading
+    from scalelab.grade.checks import load_checks
+    files = {}
+    for n in (2, 5):
+        path = tmp_path / f"lab{n}" / "checks.py"
+        path.parent.mkdir()
+        body = "".join(f"@check(points=1)\ndef c{i}(r):\n    time.sleep(0.001)\n\n\n" for i in range(n))
+        path.write_text(f"import time\n\nfrom scalelab.grade.checks import check\ntime.sleep(0.01)\n\n\n{body}")
+        files[n] = path
+    found, errors = [], []
+
+    def load(n):
+        try:
+            for _ in range(15):
+                found.append((n, [c.name for c in load_checks(files[n])]))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(repr(e))
+    threads = [threading.Thread(target=load, args=(n,)) for n in (2, 5) * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(found) == 90 and all(names == [f"c{i}" for i in range(n)] for n, names in found)

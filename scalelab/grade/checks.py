@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -118,7 +119,7 @@ class Records(Mapping):
         return len(self._data)
 
 
-_REGISTRY: list[Check] | None = None
+_LOADING = threading.local()  # .registry: the checks the file being loaded in this thread defines
 
 
 def check(points: float = 1.0, name: str | None = None, needs_run: bool = False):
@@ -130,25 +131,27 @@ def check(points: float = 1.0, name: str | None = None, needs_run: bool = False)
     def wrap(func):
         c = Check(name or func.__name__, func, float(points), (func.__doc__ or "").strip().splitlines()[0]
                   if func.__doc__ else func.__name__, needs_run=needs_run)
-        if _REGISTRY is not None:
-            _REGISTRY.append(c)
+        registry = getattr(_LOADING, "registry", None)
+        if registry is not None:
+            registry.append(c)
         func.scalelab_check = c
         return func
     return wrap
 
 
 def load_checks(path: str | Path, hidden: bool = False) -> list[Check]:
-    """The checks a checks file defines, in definition order (loaded as a fresh module each time)."""
-    global _REGISTRY
+    """The checks a checks file defines, in definition order (loaded as a fresh module each time). Safe to call
+    from several threads at once (two grading batches in one process, the hub's dashboard): each thread collects
+    into its own registry."""
     path = Path(path)
     spec = importlib.util.spec_from_file_location(f"scalelab_checks_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    previous, _REGISTRY = _REGISTRY, []
+    previous, _LOADING.registry = getattr(_LOADING, "registry", None), []
     try:
         spec.loader.exec_module(module)
-        found = list(_REGISTRY)
+        found = list(_LOADING.registry)
     finally:
-        _REGISTRY = previous
+        _LOADING.registry = previous
     for c in found:
         c.hidden = hidden
     return found
