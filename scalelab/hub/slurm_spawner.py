@@ -318,16 +318,18 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         await self.submit_batch_script()
         interval = self.poll_min
         while True:
+            reported_before = self._port_event.is_set()
             status = await self.query_job_status()
             if status == JobStatus.RUNNING:
                 break
             if status == JobStatus.NOTFOUND:
                 raise self._job_failure("before it started running")
-            if self._port_event.is_set():  # reported, yet squeue does not say RUNNING: ask again later
+            if reported_before:  # reported before we asked, yet squeue does not say RUNNING: ask again later
                 await asyncio.sleep(interval)
-            else:  # a port reported meanwhile means the job runs: ask squeue (for the node) at once
+            elif not self._port_event.is_set():  # a port reported meanwhile means the job runs: ask at once
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._port_event.wait(), timeout=interval)
+            # else: reported while squeue was answering, so its answer is already stale: ask again now
             interval = min(interval * 1.5, self.poll_max)
         host = self.state_gethost()
         interval = self.poll_min
