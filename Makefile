@@ -17,7 +17,8 @@ PY := $(VENV)/bin/python
 # What tests, hub and benchmarks run with: the venv's bin first on PATH, as if activated, so that
 # configurable-http-proxy, horovodrun and scalelab are found there (by JupyterHub and the launchers too).
 IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
-PYTEST_CMD := $(IN_VENV) $(PY) -m pytest $(PYTEST_ARGS)
+# --durations: every run (CI included) ends with its slowest tests, where the suite's time goes
+PYTEST_CMD := $(IN_VENV) $(PY) -m pytest $(PYTEST_ARGS) --durations=30
 
 # $(call phase,TITLE,COMMAND): COMMAND between two banners; the closing one says ok/FAILED and how long it took.
 define phase
