@@ -6,10 +6,14 @@ import shutil
 
 import pytest
 
-from scalelab import launch
-from scalelab.errors import SpecError
-from scalelab.experiments.profiling import (horovod_timeline, load_trace, merge, overlap_by_rank, overlap_seconds,
-                                            run_timeline, timeline_lanes, trace_intervals)
+from scalelab import launch, run_spmd
+from scalelab.errors import SpecError, UntrustedFileError
+from scalelab.experiments.ddp_internals import timeline_record
+from scalelab.experiments.horovod_port import fusion_summary, horovod_timeline_text
+from scalelab.experiments.profiling import (horovod_timeline, load_trace, merge, overlap_by_rank, overlap_ratio,
+                                            overlap_seconds, read_run_file, run_timeline, subtract, timeline_lanes,
+                                            trace_intervals)
+from scalelab.experiments.single_device import phase_shares
 from scalelab.run.spec import preset
 from scalelab.train.profiling import PHASES, horovod_timeline_path, trace_path
 
@@ -61,6 +65,83 @@ def test_overlap_counts_only_the_time_comm_and_compute_share():
     assert overlap_seconds([(0, 2), (1, 3)], [(0, 3)]) == pytest.approx(3.0)  # comm in flight twice counts once
 
 
+def test_spans_minus_a_cut_keep_only_the_moments_outside_it():
+    assert subtract([(0, 10)], [(2, 3), (5, 6)]) == [(0, 2), (3, 5), (6, 10)]
+    assert subtract([(0, 2), (1, 4)], [(3, 9)]) == [(0, 3)]
+    assert subtract([(0, 1)], [(0, 5)]) == []
+
+
+def _x(name, ts_ms, dur_ms, tid, cat="cpu_op"):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, "tid": tid}
+
+
+def test_a_comm_hook_waiting_inside_backward_is_not_compute():
+    # the engine's hook waits for its last bucket inside autograd's AccumulateGrad range: that range is not
+    # compute, and neither is the time the training thread spends in the collective call itself
+    trace = {"traceEvents": [
+        _x("ProfilerStep#1", 0, 12, 1, "user_annotation"),
+        _x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 0, 10, 1),
+        _x("aten::mm", 0, 2, 1), _x("c10d::allreduce_", 2, 1, 1), _x("aten::add_", 2.5, 0.2, 1),
+        _x("gloo:all_reduce", 2, 7, 2, "user_annotation")]}
+    iv = trace_intervals(trace, 0)
+    assert iv["compute"] == [(0.0, 0.002)]
+    assert [c[0] for c in iv["comm"]] == ["all_reduce"] and overlap_ratio(iv) == 0.0
+
+
+def test_phase_shares_of_a_profiled_run_add_up_and_follow_the_trace(ddp_run):
+    shares = phase_shares(ddp_run.run_dir)
+    assert set(shares["shares"]) == set(PHASES) and shares["steps"] == 3
+    assert sum(shares["shares"].values()) == pytest.approx(1.0)
+    ratio = shares["ms_per_step"]["backward"] / shares["ms_per_step"]["forward"]
+    assert shares["shares"]["backward"] / shares["shares"]["forward"] == pytest.approx(ratio)
+    record = timeline_record(ddp_run.run_dir)
+    assert sorted(record["ranks"]) == ["0", "1"] and all(x["allreduces"] >= 6 for x in record["ranks"].values())
+
+
+def test_a_run_file_is_read_beneath_the_working_copy_and_never_through_a_link(ddp_run, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(ddp_run.run_dir, work / "runs" / "x")
+    rel, absolute = "runs/x/traces/rank-0.json", str(work / "runs" / "x" / "traces" / "rank-0.json")
+    assert read_run_file(work, rel) == read_run_file(work, absolute) == (work / rel).read_text()
+    (work / "runs" / "link").symlink_to(work / "runs" / "x")
+    with pytest.raises(UntrustedFileError):
+        read_run_file(work, "runs/link/traces/rank-0.json")
+    with pytest.raises(UntrustedFileError):
+        read_run_file(work / "runs" / "x", str(work / "runs" / "link" / "traces" / "rank-0.json"))  # outside
+
+
+def test_bucket_traces_hold_one_all_reduce_per_bucket_per_traced_step(tmp_path):
+    spec = preset("tiny").with_overrides({"model.name": "mlp", "model.width": 256, "model.depth": 8,
+                                         "data.samples": 256, "optim.batch_per_worker": 32})
+    bk = run_spmd("scalelab.experiments.ddp_internals:bucket_sweep", world=2, threads=1, run_dir=tmp_path / "ranks",
+                  kwargs={"spec": spec.to_dict(), "caps_mb": [0.1, 25.0], "steps": 2, "warmup": 1,
+                          "trace_dir": str(tmp_path / "traces"), "trace_steps": 2})
+    counts = []
+    for row in bk[0]["rows"]:
+        iv = trace_intervals(load_trace(row["trace"]))
+        assert len(iv["steps"]) == row["traced_steps"] == 2
+        assert {p for p, _, _ in iv["phases"]} == {"forward", "backward", "optimizer"}
+        assert len(iv["comm"]) == row["buckets"] * 2, row
+        counts.append(len(iv["comm"]))
+    assert counts[0] > counts[1]  # a smaller cap: more buckets, more all-reduces
+    assert (tmp_path / "traces" / "cap-0.1" / "rank-1.json").exists()
+
+
+def test_fusion_counts_tensors_whose_all_reduces_overlap_as_one():
+    def span(name, tensor_pid, a, b):
+        return [{"ph": "B", "name": name, "pid": tensor_pid, "tid": 0, "ts": a}, {"ph": "E", "pid": tensor_pid,
+                                                                                "tid": 0, "ts": b}]
+    events = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": f"allreduce.l{p}.weight"}}
+              for p in (1, 2, 3)]
+    events += span("NEGOTIATE_ALLREDUCE", 1, 0, 100) + span("ALLREDUCE", 1, 100, 200)
+    events += span("NEGOTIATE_ALLREDUCE", 2, 0, 100) + span("ALLREDUCE", 2, 101, 199)  # fused with pid 1
+    events += span("ALLREDUCE", 3, 300, 400)  # a cycle later, alone
+    events += [{"ph": "i", "name": "CYCLE_START", "ts": t} for t in (0, 250)]
+    f = fusion_summary(horovod_timeline_text(json.dumps(events)[:-1] + ","))  # cut short, as a killed job leaves it
+    assert (f["tensors"], f["allreduces"], f["fused_allreduces"], f["cycles"]) == (3, 3, 2, 2)
+    assert f["tensors_per_fused"] == 1.5 and f["negotiate_ms"] == pytest.approx(0.1)
+
+
 def test_the_timeline_widget_renders_a_profiled_run_headless(ddp_run):
     from scalelab.widgets import Timeline
     tl = Timeline(ddp_run)
@@ -94,6 +175,8 @@ def test_a_profiled_horovod_run_writes_the_horovod_timeline(tmp_path):
     hvd = horovod_timeline(horovod_timeline_path(run.run_dir))
     names = {s[0] for s in hvd["spans"]}
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= names and hvd["cycles"]
+    fusion = fusion_summary(hvd)
+    assert fusion["tensors"] >= 2 and fusion["allreduces"] >= fusion["fused_allreduces"] >= 1
     assert trace_path(run.run_dir, 1).exists()
     from scalelab.widgets import Timeline
     assert len(Timeline(run).fig.axes) == 2  # the ranks' phases, and Horovod's coordinator below

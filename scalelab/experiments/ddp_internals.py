@@ -3,7 +3,9 @@ and takes the RunSpec as a dict (`spec.to_dict()`), so the model, data and optim
 
 - `compare_with_ddp`: gradients averaged by a student's `average_gradients(model)` vs DDP's, step by step.
 - `bucket_sweep`: DDP's gradient buckets (bucket_cap_mb): allreduce calls per step, step time, and how much
-  communication is left exposed after overlapping with the backward pass.
+  communication is left exposed after overlapping with the backward pass; with `trace_dir`, a few steps per cap
+  profiled into a Chrome trace per rank (`<trace_dir>/cap-<cap>/rank-<r>.json`, the engine's phase names), which
+  `scalelab.experiments.profiling` reads back: where each bucket's all-reduce ran against backward.
 - `accumulation`: k micro-batches per optimizer step, allreducing every one vs `no_sync()` for all but the last.
 - `replicas`: do the ranks' parameters stay bit-identical (DDP) or drift apart (no gradient averaging)?
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data import build_dataset, build_loader
 from ..run.spec import from_dict
+from ..train.profiling import PREFIX
 from ._common import build_workload
+from .profiling import overlap_by_rank
 
 
 def _spec(spec: dict):
@@ -111,9 +116,11 @@ def _timed_steps(step, n: int, warmup: int) -> float:
     return float(elapsed) * 1000
 
 
-def bucket_sweep(spec: dict, caps_mb=(0.1, 1.0, 25.0), steps: int = 8, warmup: int = 2) -> dict:
+def bucket_sweep(spec: dict, caps_mb=(0.1, 1.0, 25.0), steps: int = 8, warmup: int = 2, trace_dir: str | None = None,
+                 trace_steps: int = 3) -> dict:
     """Per bucket_cap_mb: buckets (allreduce calls) per step, step ms, the same step under no_sync (no
-    communication), and exposed communication = the difference."""
+    communication), and exposed communication = the difference. With `trace_dir`, `trace_steps` more steps per
+    cap are profiled (each row gains `trace`, this rank's trace path)."""
     spec = _spec(spec)
     rank, world = dist.get_rank(), dist.get_world_size()
     dataset = build_dataset(spec.data, spec.seed)
@@ -139,8 +146,31 @@ def bucket_sweep(spec: dict, caps_mb=(0.1, 1.0, 25.0), steps: int = 8, warmup: i
         nosync_ms = _timed_steps(lambda: step(sync=False), steps, warmup)
         rows.append({"bucket_cap_mb": cap, "buckets": buckets, "bytes_per_step": nbytes, "step_ms": step_ms,
                      "nosync_step_ms": nosync_ms, "exposed_comm_ms": max(step_ms - nosync_ms, 0.0)})
+        if trace_dir:
+            path = Path(trace_dir) / f"cap-{cap:g}" / f"rank-{rank}.json"
+            rows[-1].update(trace=str(path), traced_steps=trace_steps)
+            _trace_steps(ddp, wl.optimizer, batches, trace_steps, path)
     params = sum(p.numel() for p in build_workload(spec, dataset=dataset).model.parameters())
     return {"rank": rank, "world": world, "parameters": params, "rows": rows}
+
+
+def _trace_steps(ddp, optimizer, batches, n: int, path: Path) -> None:
+    """Profile `n` DDP steps (after one warm-up step) into a Chrome trace, phases named as the engine names them."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # both ranks trace the same steps
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=n, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        for _ in range(n + 1):
+            x, y = next(batches)
+            with record_function(PREFIX + "forward"):
+                loss = F.cross_entropy(ddp(x), y)
+            with record_function(PREFIX + "backward"):
+                loss.backward()  # the bucket all-reduces start in here, on gloo's own thread
+            with record_function(PREFIX + "optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+            prof.step()
 
 
 def accumulation(spec: dict, k: int = 4, steps: int = 3, warmup: int = 1) -> dict:
@@ -203,3 +233,11 @@ def replicas(spec: dict, steps: int = 5) -> dict:
     dataset = build_dataset(spec.data, spec.seed)
     return {"rank": dist.get_rank(), "ddp": _train_replica(spec, dataset, steps, average=True),
             "no_averaging": _train_replica(spec, dataset, steps, average=False)}
+
+
+def timeline_record(run_dir) -> dict:
+    """Per rank of a profiled DDP run: traced steps, all-reduces, comm ms per step and the overlap ratio."""
+    ranks = {str(rank): {"steps": s["steps"], "allreduces": s["collectives"].get("all_reduce", 0),
+                         "comm_ms": 1e3 * s["comm_s"] / max(s["steps"], 1), "overlap": s["overlap"]}
+             for rank, s in overlap_by_rank(run_dir).items()}
+    return {"run_dir": str(run_dir), "ranks": ranks}

@@ -5,7 +5,9 @@ builds the engine's model with a *rank-dependent* seed (as if every rank had ini
 model and optimizer to the student's `make_distributed(model, optimizer)`, and trains. A correct port broadcasts
 rank 0's parameters and averages gradients, so every rank must end bit-identical to rank 0 and equal to a
 reference trained in one process on the whole global batch (N shards of B samples = one batch of N x B).
-`timeline_summary` reads the Chrome-trace timeline Horovod writes when HOROVOD_TIMELINE names a file.
+`timeline_summary` reads the Chrome-trace timeline Horovod writes when HOROVOD_TIMELINE names a file;
+`horovod_timeline` turns it into spans on one clock, and `fusion_summary` counts what tensor fusion did: how many
+gradient all-reduces Horovod ran as how many fused ones, in how many coordinator cycles.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from ..data import build_dataset, build_loader
 from ..run.spec import from_dict
+from ..train.profiling import horovod_timeline_path
 from ._common import build_workload
 
 
@@ -66,12 +69,74 @@ def timeline_summary(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         return {"ok": False, "error": f"{path} was not written", "events": 0, "activities": {}, "tensors": []}
-    text = path.read_text().strip()
-    try:
-        events = json.loads(text)
-    except json.JSONDecodeError:  # no closing bracket: Horovod had not shut down
-        events = json.loads(text[: text.rfind("}") + 1].rstrip(",") + "]")
+    events = _timeline_events(path.read_text())
     names = Counter(e["name"] for e in events if e.get("ph") == "B" and "name" in e)
     tensors = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"
                       and "name" in e.get("args", {})})
     return {"ok": True, "events": len(events), "activities": dict(names), "tensors": tensors, "path": str(path)}
+
+
+def _timeline_events(text: str) -> list:
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:  # no closing bracket: Horovod had not shut down
+        return json.loads(text[: text.rfind("}") + 1].rstrip(",") + "]")
+
+
+def horovod_timeline(path) -> dict:
+    """Horovod's timeline as spans: {"spans": [(activity, start_s, end_s, tensor)], "cycles": [t_s, ...]}.
+
+    Times are seconds from the timeline's start (hvd.init). A file cut short (the job was killed) is read up to
+    its last complete event."""
+    return {**horovod_timeline_text(Path(path).read_text()), "path": str(path)}
+
+
+def horovod_timeline_text(text: str) -> dict:
+    """`horovod_timeline` of the file's text."""
+    events = _timeline_events(text)
+    tensors = {e.get("pid"): e["args"]["name"] for e in events
+               if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    open_: dict[tuple, list] = {}
+    spans, cycles = [], []
+    for e in events:
+        ph, ts = e.get("ph"), e.get("ts")
+        if ts is None:
+            continue
+        key = (e.get("pid"), e.get("tid"))
+        if ph == "B":
+            open_.setdefault(key, []).append((e.get("name", ""), ts / 1e6))
+        elif ph == "E" and open_.get(key):
+            name, start = open_[key].pop()
+            if ts / 1e6 > start:
+                spans.append((name, start, ts / 1e6, tensors.get(e.get("pid"), "")))
+        elif ph == "X" and e.get("dur"):  # zero-length X events mark which rank is ready: left out
+            spans.append((e.get("name", ""), ts / 1e6, (ts + e.get("dur", 0)) / 1e6, tensors.get(e.get("pid"), "")))
+        elif ph in ("i", "I") and "CYCLE" in e.get("name", "").upper():
+            cycles.append(ts / 1e6)
+    return {"spans": sorted(spans, key=lambda x: x[1]), "cycles": sorted(cycles)}
+
+
+def fusion_summary(timeline: dict) -> dict:
+    """What tensor fusion did in a Horovod timeline: gradient all-reduces (one per tensor per step), the fused
+    all-reduces they ran as (tensors whose ALLREDUCE spans overlap went through the fusion buffer together), the
+    tensors per fused all-reduce, the coordinator's cycles, and the mean ms of negotiation and of an all-reduce."""
+    spans = [s for s in timeline["spans"] if s[3].startswith("allreduce.")]
+    reduce = sorted((a, b) for name, a, b, _ in spans if name == "ALLREDUCE")
+    fused: list[list[float]] = []
+    for a, b in reduce:
+        if fused and a < fused[-1][1]:
+            fused[-1][1] = max(fused[-1][1], b)
+        else:
+            fused.append([a, b])
+    negotiate = [b - a for name, a, b, _ in spans if name == "NEGOTIATE_ALLREDUCE"]
+    return {"tensors": len({s[3] for s in spans}), "allreduces": len(reduce), "fused_allreduces": len(fused),
+            "tensors_per_fused": len(reduce) / len(fused) if fused else 0.0, "cycles": len(timeline["cycles"]),
+            "negotiate_ms": 1e3 * sum(negotiate) / len(negotiate) if negotiate else 0.0,
+            "fused_allreduce_ms": 1e3 * sum(b - a for a, b in fused) / len(fused) if fused else 0.0}
+
+
+def run_fusion(run_dir) -> dict:
+    """`fusion_summary` of a profiled horovod run's timeline, with the run dir and the timeline's path."""
+    path = horovod_timeline_path(run_dir)
+    return {"run_dir": str(run_dir), "timeline": str(path), **fusion_summary(horovod_timeline(path))}

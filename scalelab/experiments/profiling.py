@@ -10,19 +10,23 @@ intervals on one clock (seconds since the epoch, the clock of the run's events):
     overlap_by_rank(run.run_dir)     # {rank: {"overlap": ..., "comm_s": ..., "collectives": {...}}}
 
 On CPU (gloo) a collective is the `gloo:<op>` range its worker thread records from start to finish, and compute
-is the union of the ops the training thread runs (collective bookkeeping left out). On GPU it is the NCCL kernels
-against every other kernel. Horovod's collectives run in its own background thread, which torch.profiler does
-not see: `horovod_timeline` reads Horovod's own file instead (its clock starts at hvd.init, not the epoch).
+is the union of the aten ops the training thread runs, less the time it spends inside collective calls (a comm
+hook that waits for its all-reduce inside backward's gradient bookkeeping is waiting, not computing). On GPU it
+is the NCCL kernels against every other kernel. Horovod's collectives run in its own background thread, which
+torch.profiler does not see: `horovod_timeline` reads Horovod's own file instead (its clock starts at hvd.init).
 `event_lanes` draws the same phases, coarser, from the step events of any run, profiled or not.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
+from ..paths import read_beneath
 from ..run.events import EventReader
 from ..train.profiling import PREFIX, horovod_timeline_path, trace_dir
+from .horovod_port import horovod_timeline
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "send_recv")
 """The collective kinds a trace's communication is sorted into."""
@@ -88,19 +92,19 @@ def trace_intervals(trace: dict, rank: int | None = None) -> dict:
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
     gpu = any(e.get("cat") == "kernel" for e in events)
     main_tid = next((e.get("tid") for e in events if e.get("name", "").startswith("ProfilerStep#")), None)
-    phases, comm, compute, steps, issued = [], [], [], [], []
+    phases, comm, compute, steps, issued, waiting = [], [], [], [], [], []
     for e in events:
         what = classify(e, gpu)
         if what is None:
             if e.get("name", "").startswith("c10d::") and e.get("tid") == main_tid and comm_kind(e["name"]):
                 issued.append((float(e["ts"]), comm_kind(e["name"])))
+                waiting.append(_span(e, base_us))
             continue
-        start = (base_us + float(e["ts"])) / 1e6
-        span = (start, start + float(e.get("dur", 0.0)) / 1e6)
+        span = _span(e, base_us)
         if what == "comm":
             comm.append((comm_kind(e["name"]) or "all_reduce", *span, e["name"]))
         elif what == "compute":
-            if gpu or e.get("tid") == main_tid:
+            if gpu or (e.get("tid") == main_tid and e.get("name", "").startswith("aten::")):
                 compute.append(span)
         elif what == "step":
             steps.append((int(e["name"].split("#", 1)[1]), *span))
@@ -113,11 +117,31 @@ def trace_intervals(trace: dict, rank: int | None = None) -> dict:
     if rank is None:
         rank = (trace.get("distributedInfo") or {}).get("rank")
     return {"rank": rank, "gpu": gpu, "phases": sorted(phases, key=_start),
-            "comm": comm, "compute": merge(compute), "steps": sorted(steps)}
+            "comm": comm, "compute": subtract(compute, waiting), "steps": sorted(steps)}
+
+
+def _span(event: dict, base_us: float) -> tuple[float, float]:
+    start = (base_us + float(event["ts"])) / 1e6
+    return start, start + float(event.get("dur", 0.0)) / 1e6
 
 
 def _start(item):
     return item[1]
+
+
+def subtract(spans, cut) -> list[tuple[float, float]]:
+    """The union of `spans` with every moment inside the union of `cut` removed, as sorted, disjoint spans."""
+    out, cut = [], merge(cut)
+    for a, b in merge(spans):
+        for c, d in cut:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def merge(spans) -> list[tuple[float, float]]:
@@ -217,37 +241,12 @@ def run_events(run_dir) -> list[dict]:
     return reader.all
 
 
-def horovod_timeline(path) -> dict:
-    """Horovod's timeline as spans: {"spans": [(activity, start_s, end_s, tensor)], "cycles": [t_s, ...]}.
-
-    Times are seconds from the timeline's start (hvd.init). A file cut short (the job was killed) is read up to
-    its last complete event."""
-    path = Path(path)
-    text = path.read_text().strip()
-    try:
-        events = json.loads(text)
-    except json.JSONDecodeError:  # no closing bracket: Horovod had not shut down
-        events = json.loads(text[: text.rfind("}") + 1].rstrip(",") + "]")
-    tensors = {e.get("pid"): e["args"]["name"] for e in events
-               if e.get("name") == "process_name" and "name" in e.get("args", {})}
-    open_: dict[tuple, list] = {}
-    spans, cycles = [], []
-    for e in events:
-        ph, ts = e.get("ph"), e.get("ts")
-        if ts is None:
-            continue
-        key = (e.get("pid"), e.get("tid"))
-        if ph == "B":
-            open_.setdefault(key, []).append((e.get("name", ""), ts / 1e6))
-        elif ph == "E" and open_.get(key):
-            name, start = open_[key].pop()
-            if ts / 1e6 > start:
-                spans.append((name, start, ts / 1e6, tensors.get(e.get("pid"), "")))
-        elif ph == "X" and e.get("dur"):  # zero-length X events mark which rank is ready: left out
-            spans.append((e.get("name", ""), ts / 1e6, (ts + e.get("dur", 0)) / 1e6, tensors.get(e.get("pid"), "")))
-        elif ph in ("i", "I") and "CYCLE" in e.get("name", "").upper():
-            cycles.append(ts / 1e6)
-    return {"spans": sorted(spans, key=_start), "cycles": sorted(cycles), "path": str(path)}
+def read_run_file(workdir, path, max_bytes: int = 64 * 2**20) -> str:
+    """The text of a file a run wrote, at a recorded path (absolute, or relative to `workdir`), read beneath
+    `workdir` with no symbolic link followed and at most `max_bytes` read (how a grader reads a submission's
+    traces: as data that may be hostile)."""
+    rel = os.path.relpath(str(path), str(workdir)) if os.path.isabs(str(path)) else str(path)
+    return read_beneath(workdir, Path(os.path.normpath(rel)).as_posix(), max_bytes).decode("utf-8")
 
 
 def run_timeline(run_dir) -> dict:
@@ -366,6 +365,7 @@ def _horovod_panel(ax, hvd: dict) -> None:
     ax.set_xlabel("ms (Horovod timeline, rank 0's coordinator; red ticks: cycle starts)")
 
 
-__all__ = ["COMM_KINDS", "load_trace", "comm_kind", "classify", "trace_intervals", "merge", "overlap_seconds",
-           "overlap_ratio", "trace_summary", "rank_traces", "overlap_by_rank", "event_lanes", "run_events",
-           "horovod_timeline", "run_timeline", "PHASE_COLORS", "COMM_COLORS", "timeline_lanes", "timeline_figure"]
+__all__ = ["COMM_KINDS", "load_trace", "comm_kind", "classify", "trace_intervals", "merge", "subtract",
+           "overlap_seconds", "overlap_ratio", "trace_summary", "rank_traces", "overlap_by_rank", "event_lanes",
+           "run_events", "horovod_timeline", "read_run_file", "run_timeline", "PHASE_COLORS", "COMM_COLORS",
+           "timeline_lanes", "timeline_figure"]

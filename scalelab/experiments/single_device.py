@@ -8,6 +8,9 @@ measured after `warmup` steps (allocator, loader start-up, autotuning) and is al
 
 `read_ms` stands in for storage: each sample costs that many milliseconds of waiting, as a read from a shared
 file system does. Waiting (not computing) is what makes loader workers pay off even on a 2-core laptop.
+
+`phase_shares(run_dir)` reads an engine run's own profiler trace back: ms per step and share of each phase
+(data, forward, backward, optimizer), the numbers of the profile -> fix -> profile again loop.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from pathlib import Path
 import torch
 
 from ..data.loader import build_loader
+from ..train.profiling import trace_path as rank_trace_path
 from ._common import autocast_for, build_workload, sync, train_step
+from .profiling import trace_intervals, trace_summary
 
 MODES = ("data", "compute", "full")
 
@@ -158,6 +163,21 @@ def profile_steps(spec, trace_path: str | Path, steps: int = 5, warmup: int = 2,
     ops.sort(key=lambda r: -r["self_ms"])
     return {"trace_path": str(trace_path), "trace_events": len(json.loads(trace_path.read_text())["traceEvents"]),
             "self_ms_total": sum(r["self_ms"] for r in ops), "ops": ops[:top], "steps": steps}
+
+
+def phase_shares(run_dir, rank: int = 0, trace: dict | None = None) -> dict:
+    """Where the profiled steps of an engine run went, from rank `rank`'s trace (or the already loaded `trace`):
+    {"run_dir", "steps", "ms_per_step": {phase: ms}, "shares": {phase: fraction of the phases' time}}."""
+    if trace is None:
+        trace = json.loads(rank_trace_path(run_dir, rank).read_text())
+    s = trace_summary(trace_intervals(trace, rank))
+    total = sum(s["phase_s"].values())
+    if not s["steps"] or total <= 0:
+        raise ValueError(f"the trace of {run_dir} holds no profiled step: was the run profiled "
+                         "(profile.enabled=true) with steps past profile.wait_steps + profile.warmup_steps?")
+    return {"run_dir": str(run_dir), "steps": s["steps"],
+            "ms_per_step": {p: 1e3 * v / s["steps"] for p, v in s["phase_s"].items()},
+            "shares": {p: v / total for p, v in s["phase_s"].items()}}
 
 
 def ladder(spec, rungs: list[tuple[str, dict]], steps: int = 20, read_ms: float = 1.0, warmup: int = 3) -> list[dict]:
