@@ -29,6 +29,9 @@ def test_reference_numbers_tell_the_lab_story(reference):
     counts = [r["buckets"] for r in records["buckets"]["rows"]]
     assert counts[0] > counts[-1] == 1
     assert [r["workers"] for r in records["panel_runs"]] == [1, 2]
+    overlap = {x["bucket_cap_mb"]: x for x in records["bucket_overlap"]}
+    assert overlap[0.1]["allreduces"] > overlap[25.0]["allreduces"]
+    assert sorted(records["ddp_timeline"]["ranks"]) == ["0", "1"]
 
 
 def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
@@ -44,6 +47,13 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path
 def _no_division(r):
     for row in r["by_hand"]:  # what a student who forgets to divide by the world size gets
         row.update(grad_max_diff=0.2, param_max_diff=0.03)
+
+
+def _more_hidden(r):
+    for x in r["bucket_overlap"]:  # a consistent row that claims twice the hidden time the trace shows
+        x["hidden_ms"] = min(2 * x["hidden_ms"], x["comm_ms"])
+        x.update(exposed_ms=x["comm_ms"] - x["hidden_ms"], overlap=x["hidden_ms"] / x["comm_ms"])
+    r["least_exposed_cap"] = min(r["bucket_overlap"], key=lambda x: x["exposed_ms"])["bucket_cap_mb"]
 
 
 @pytest.mark.parametrize("forge, check_name", [
@@ -62,6 +72,12 @@ def _no_division(r):
     (lambda r: r["by_hand"][1].update(losses=r["by_hand"][0]["losses"]), "ranks_trained_on_different_shards"),
     (lambda r: r.pop("efficiency"), "efficiency_in_range"),
     (lambda r: r["allreduce"]["rows"][-1].update(time_s=1e6), "large_messages_reach_higher_bandwidth"),
+    (_more_hidden, "bucket_overlap_is_the_traces"),
+    (lambda r: r.update(least_exposed_cap=max(x["bucket_cap_mb"] for x in r["bucket_overlap"]
+                                              if x["bucket_cap_mb"] != r["least_exposed_cap"])), "bucket_traces_read"),
+    (lambda r: r["bucket_overlap"][0].update(exposed_ms=0.0), "bucket_traces_read"),
+    (lambda r: r["ddp_timeline"]["ranks"]["0"].update(overlap=0.99), "ddp_timeline_is_the_engine_run"),
+    (lambda r: r["ddp_timeline"].update(run_dir=r["panel_runs"][-1]["run_dir"]), "ddp_timeline_is_the_engine_run"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -84,3 +84,33 @@ def efficiency_in_range(r):
     """Exercise 4: weak-scaling efficiency is a positive number no larger than about 1."""
     e = r["efficiency"]
     assert isinstance(e, (int, float)) and 0 < e <= 1.5, f"efficiency={e!r}: throughput(N) / (N x throughput(1))"
+
+
+@check(points=1, needs_run=True)
+def ddp_timeline_drawn(r):
+    """A profiled DDP engine run on N > 1 ranks: every rank traced its bucket all-reduces (overlap in [0, 1])."""
+    ranks = r["ddp_timeline"]["ranks"]
+    assert len(ranks) >= 2, f"the timeline shows {len(ranks)} rank(s): profile a run on 2 or more"
+    for rank, x in ranks.items():
+        assert x["steps"] >= 1 and x["allreduces"] >= x["steps"] and x["comm_ms"] > 0, f"rank {rank}: {x}"
+        assert x["overlap"] is not None and 0 <= x["overlap"] <= 1, f"rank {rank}: overlap {x['overlap']!r}"
+
+
+@check(points=2, needs_run=True)
+def bucket_traces_read(r):
+    """Exercise 4: per cap, comm and hidden ms per step with exposed = comm - hidden and overlap = hidden / comm;
+    the least exposed cap is the one with the smallest exposed time."""
+    rows = r["bucket_overlap"]
+    caps = [x["bucket_cap_mb"] for x in r["buckets"]["rows"]]
+    assert [x["bucket_cap_mb"] for x in rows] == caps, f"one row per cap of the sweep, in its order: {caps}"
+    for x in rows:
+        what = f"cap {x['bucket_cap_mb']} MB"
+        assert 0 <= x["hidden_ms"] <= x["comm_ms"] * (1 + 1e-9) and x["comm_ms"] > 0, \
+            f"{what}: hidden {x['hidden_ms']!r} ms must lie between 0 and comm {x['comm_ms']!r} ms"
+        assert math.isclose(x["exposed_ms"], x["comm_ms"] - x["hidden_ms"], rel_tol=1e-6, abs_tol=1e-9), \
+            f"{what}: exposed_ms must be comm_ms - hidden_ms"
+        assert math.isclose(x["overlap"], x["hidden_ms"] / x["comm_ms"], rel_tol=1e-6), \
+            f"{what}: overlap must be hidden_ms / comm_ms"
+    best = min(rows, key=lambda x: x["exposed_ms"])["bucket_cap_mb"]
+    assert r["least_exposed_cap"] == best, f"least_exposed_cap={r['least_exposed_cap']!r}, but {best} MB leaves " \
+                                           "the least communication exposed"

@@ -1,13 +1,27 @@
 """Lab 02 hidden checks: the LaunchPanel runs against their event files; the exercises recomputed from the raw
 records.
 
-Only the LaunchPanel runs write events. The allreduce timings, the gradient comparison, the bucket sweep and the
-replicas come back from the SpMD pool's ranks as return values, so they are held against each other only. Every
-check needs a real run (`needs_run`).
+Only the LaunchPanel runs and the profiled DDP run write events. The allreduce timings, the gradient comparison,
+the bucket sweep and the replicas come back from the SpMD pool's ranks as return values, so they are held against
+each other only; the bucket sweep's traces and the DDP run's traces are files in the working copy, which the grader
+re-reads (no link followed) to re-derive the exercise's numbers and the timeline's. Every check needs a real run
+(`needs_run`).
 """
+import json
 import math
 
+from scalelab.experiments.profiling import merge, overlap_seconds, read_run_file, trace_intervals, trace_summary
 from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.evidence import RUNS, WORKDIR
+
+
+def _intervals(r, path: str) -> dict:
+    """A trace the notebook's run wrote, read by the grader from the working copy."""
+    work = r[WORKDIR]
+    try:
+        return trace_intervals(json.loads(read_run_file(work, path)))
+    except Exception as e:  # missing, a link, too big, not a trace: all the student's files
+        raise AssertionError(f"the trace {path} could not be read ({type(e).__name__}: {e})") from None
 
 
 @check(points=2, needs_run=True)
@@ -78,3 +92,34 @@ def global_throughput_is_the_sum_of_ranks(r):
     """Each run's samples/s is the sum of its ranks' samples/s."""
     for x in r["panel_runs"]:
         assert math.isclose(x["samples_per_s"], sum(x["per_rank"]), rel_tol=1e-6)
+
+
+@check(points=2, needs_run=True)
+def ddp_timeline_is_the_engine_run(r):
+    """The timeline's run is a DDP engine run (its events), and every rank's all-reduces, comm ms and overlap are
+    what its trace shows."""
+    t = r["ddp_timeline"]
+    found = evidence(r, t["run_dir"])
+    assert found["strategy"] == "ddp" and found["world_size"] == len(t["ranks"]), \
+        f"the events are of a {found['world_size']}-rank {found['strategy']} run"
+    for rank, x in t["ranks"].items():
+        s = trace_summary(_intervals(r, f"{t['run_dir']}/traces/rank-{int(rank)}.json"))
+        assert s["collectives"].get("all_reduce", 0) == x["allreduces"], f"rank {rank}: all-reduces"
+        close(1e3 * s["comm_s"] / s["steps"], x["comm_ms"], what=f"rank {rank} comm ms")
+        close(s["overlap"], x["overlap"], what=f"rank {rank} overlap")
+
+
+@check(points=3, needs_run=True)
+def bucket_overlap_is_the_traces(r):
+    """Exercise 4 re-derived from the sweep's traces: all-reduces (= buckets x traced steps), comm and hidden ms."""
+    assert r[RUNS] is not None  # the traces count once the notebook's engine runs do
+    rows = {x["bucket_cap_mb"]: x for x in r["buckets"]["rows"]}
+    for x in r["bucket_overlap"]:
+        row = rows[x["bucket_cap_mb"]]
+        iv = _intervals(r, row["trace"])
+        comm, steps = merge((a, b) for _, a, b, _ in iv["comm"]), len(iv["steps"])
+        assert len(iv["comm"]) == x["allreduces"] == row["buckets"] * steps, \
+            f"cap {x['bucket_cap_mb']} MB: {len(iv['comm'])} all-reduces traced over {steps} steps"
+        close(1e3 * sum(b - a for a, b in comm) / steps, x["comm_ms"], what=f"cap {x['bucket_cap_mb']} comm ms")
+        close(1e3 * overlap_seconds(comm, iv["compute"]) / steps, x["hidden_ms"],
+              what=f"cap {x['bucket_cap_mb']} hidden ms")
