@@ -27,6 +27,8 @@ def test_reference_horovod_reproduces_ddp_exactly_on_cpu(reference):
     records, _ = reference
     assert records["comparison"]["max_loss_diff"] < 1e-5
     assert all(r["reference_max_diff"] < 1e-6 for rows in records["port"].values() for r in rows)
+    fusion = records["hvd_fusion"]
+    assert fusion["allreduces"] > fusion["fused_allreduces"] and fusion["cycles"] > fusion["fused_allreduces"]
 
 
 def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
@@ -56,6 +58,13 @@ def _no_broadcast(r):
     (lambda r: r["engine_runs"][1].update(samples_per_s=1.0), "throughput_is_the_sum_of_ranks"),
     (lambda r: r["engine_runs"][1].update(samples_per_s=2 * r["engine_runs"][1]["samples_per_s"]),
      "engine_runs_are_the_engine_runs"),
+    (lambda r: r["hvd_fusion"].update(fused_allreduces=r["hvd_fusion"]["fused_allreduces"] + 1,
+                                      tensors_per_fused=r["hvd_fusion"]["allreduces"]
+                                      / (r["hvd_fusion"]["fused_allreduces"] + 1)), "horovod_fusion_is_the_timeline"),
+    (lambda r: r["hvd_fusion"].update(fused_allreduces=r["hvd_fusion"]["allreduces"], tensors_per_fused=1.0),
+     "horovod_fusion_drawn"),
+    (lambda r: r["hvd_fusion"].update(run_dir=r["engine_runs"][0]["run_dir"]), "horovod_fusion_drawn"),
+    (lambda r: r["hvd_fusion"].update(run_dir=r["engine_runs"][0]["run_dir"]), "horovod_fusion_is_the_timeline"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

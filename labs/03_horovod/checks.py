@@ -52,3 +52,14 @@ def comparison_computed(r):
     c = r["comparison"]
     assert 0 <= c["max_loss_diff"] < 1e-3, f"max_loss_diff={c['max_loss_diff']!r}"
     assert c["hvd_over_ddp"] > 0, f"hvd_over_ddp={c['hvd_over_ddp']!r}"
+
+
+@check(points=2, needs_run=True)
+def horovod_fusion_drawn(r):
+    """The profiled Horovod engine run's timeline: gradient all-reduces fused into fewer, in coordinator cycles."""
+    f = r["hvd_fusion"]
+    assert f["run_dir"] == r["engine_runs"][1]["run_dir"], "draw the timeline of the Horovod engine run"
+    assert f["tensors"] >= 2 and f["allreduces"] >= f["tensors"] and f["cycles"] >= 1, f"timeline counts: {f}"
+    assert 1 <= f["fused_allreduces"] <= f["allreduces"], f"{f['fused_allreduces']} fused of {f['allreduces']}"
+    assert abs(f["tensors_per_fused"] - f["allreduces"] / f["fused_allreduces"]) < 1e-9, "tensors per fused all-reduce"
+    assert f["tensors_per_fused"] > 1, "no two tensors were ever fused: is HOROVOD_FUSION_THRESHOLD 0?"

@@ -1,13 +1,17 @@
 """Lab 03 hidden checks: the engine runs against their event files; the comparison, port and timeline
 cross-checked.
 
-The DDP and Horovod engine runs write events. The port comes back from the Horovod ranks as return values and the
-timeline is Horovod's own file, so those are held against each other only. Every check needs a real run
-(`needs_run`).
+The DDP and Horovod engine runs write events, and the profiled Horovod run its timeline, which the grader re-reads
+from the working copy (no link followed) to re-derive the fusion counts. The port comes back from the Horovod ranks
+as return values and the port's timeline is Horovod's own file, so those are held against each other only. Every
+check needs a real run (`needs_run`).
 """
 import math
 
+from scalelab.experiments.horovod_port import fusion_summary, horovod_timeline_text
+from scalelab.experiments.profiling import read_run_file
 from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.evidence import WORKDIR
 
 
 @check(points=3, needs_run=True)
@@ -57,3 +61,19 @@ def timeline_names_the_model_tensors(r):
     """The timeline's tensors are the model's gradients (allreduce.<parameter name>)."""
     names = r["timeline"]["tensors"]
     assert any(n.startswith("allreduce.") and n.endswith(".weight") for n in names), names[:5]
+
+
+@check(points=2, needs_run=True)
+def horovod_fusion_is_the_timeline(r):
+    """The fusion counts are what the Horovod engine run's own timeline shows."""
+    f = r["hvd_fusion"]
+    found, work = evidence(r, f["run_dir"]), r[WORKDIR]
+    assert found["strategy"] == "horovod", f"the events are of a {found['strategy']} run"
+    try:
+        text = read_run_file(work, f"{f['run_dir']}/traces/horovod-timeline.json")
+        again = fusion_summary(horovod_timeline_text(text))
+    except Exception as e:  # missing, a link, too big, not a timeline: all the student's files
+        raise AssertionError(f"the run's Horovod timeline could not be read ({type(e).__name__}: {e})") from None
+    for key in ("tensors", "allreduces", "fused_allreduces", "cycles"):
+        assert again[key] == f[key], f"{key}: the timeline shows {again[key]}, the record says {f[key]}"
+    close(again["negotiate_ms"], f["negotiate_ms"], what="mean negotiation ms")
