@@ -6,9 +6,12 @@ Playwright drives Debian's /usr/bin/chromium (Playwright's own browser download 
 from __future__ import annotations
 
 import json
+import os
 import time
 
+import psutil
 import pytest
+import requests
 
 from scalelab.testing.hub import HubRunner, slurm_settings
 
@@ -79,6 +82,71 @@ def test_log_in_start_lab_open_a_lab_and_run_a_cell(hub, browser):
         raise
     finally:
         page.close()
+
+
+def test_tensorboard_in_jupyterlab_shows_a_runs_scalars_and_memory_is_in_the_status_bar(hub, browser):
+    """A student's path to TensorBoard: the launcher has its tile and the status bar the server's memory; a real
+    run exported under the home shows its loss through the proxy, and the page fetches nothing from the
+    internet."""
+    from scalelab.experiments.tensorboard import export_scalars
+    from scalelab.launch import launch
+
+    from helpers import tiny
+    user = hub.user("tbstud")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    requested = []
+    page.on("request", lambda r: requested.append(r.url))
+    try:
+        sign_in_to_lab(page, hub, user)
+        page.wait_for_selector(".jp-LauncherCard:has-text('TensorBoard')", timeout=90_000)
+        page.wait_for_function("() => /Mem: [0-9.]+ [MG]B/.test("
+                               "document.querySelector('#jp-main-statusbar')?.innerText || '')")
+        home = hub.workdir / "state" / "homes" / user  # servers.home's default, as a lab's out_dir="runs" is
+        run = launch(tiny(home / "labs" / "01_intro" / "runs", workers=1, steps=6))
+        run.wait(timeout=120)
+        export_scalars(run.run_dir)
+        page.goto(f"{hub.url}/user/{user}/tensorboard/")
+        page.wait_for_selector("text=labs/01_intro/runs/run/tensorboard/rank-0", timeout=60_000)
+        page.fill("input[placeholder='Filter tags (regex)']", "^loss$")
+        page.get_by_text("loss", exact=True).first.wait_for()
+        page.get_by_text("end/final_loss").wait_for(state="hidden")  # the filter leaves only the loss card
+        outside = [u for u in requested if not u.startswith((hub.url, "data:", "blob:"))]
+        assert outside == [], f"the pages fetched from outside the hub: {outside[:5]}"
+        metrics = hub.login("tbstud").get(f"/user/{user}/api/metrics/v1")  # jupyter-resource-usage
+        assert metrics.status_code == 200 and metrics.json()["rss"] > 10_000_000, metrics.text[:300]
+    except Exception:
+        page.screenshot(path=str(hub.workdir / "tensorboard-failure.png"))
+        raise
+    finally:
+        page.close()
+
+
+def test_another_student_cannot_reach_a_students_tensorboard_and_it_listens_on_no_tcp_port(hub):
+    """Attack: TensorBoard has no authentication of its own. Another student (token or cookies) gets 403, nobody
+    signed in is sent to the hub's login; the TensorBoard process holds no TCP/UDP socket, only a Unix socket in
+    a directory private to the server's account."""
+    alice, bob = hub.login("tbalice"), hub.login("tbbob")
+    alice.spawn()
+    alice.wait_ready()
+    path = f"/user/{alice.name}/tensorboard/"
+    assert alice.get(path).status_code == 200  # starts it
+    assert bob.get(path).status_code == 403
+    via_cookies = bob.session.get(f"{hub.url}{path}", timeout=30)  # the browser's way: OAuth through the hub
+    assert via_cookies.status_code == 403 and "/hub/" in via_cookies.url
+    anonymous = requests.get(f"{hub.url}{path}", allow_redirects=False, timeout=30)
+    assert anonymous.status_code == 302 and anonymous.headers["Location"].startswith("/hub/")
+    [tb] = [p for p in psutil.process_iter(["cmdline"]) if "scalelab.hub.tensorboard_proxy" in
+            " ".join(p.info["cmdline"] or []) and p.environ().get("JUPYTERHUB_USER") == alice.name]
+    assert [c for p in (tb, *tb.children(recursive=True)) for c in p.net_connections(kind="inet")] == []
+    sockets = sorted({c.laddr for c in tb.net_connections(kind="unix") if c.laddr})  # psutil: no LISTEN on unix
+    assert sockets == [tb.cmdline()[tb.cmdline().index("--socket") + 1]]
+    folder = os.stat(os.path.dirname(sockets[0]))
+    assert (folder.st_mode & 0o777, folder.st_uid) == (0o700, tb.uids().effective)
+    alice.stop()
+    alice.wait_gone()
+    psutil.wait_procs([tb], timeout=30)
+    assert not tb.is_running(), "TensorBoard outlived the student's server"
 
 
 @pytest.mark.slurm
