@@ -32,6 +32,8 @@ Each module serves one lab and builds its models, data and optimizers with the e
                    afterok, or at a predicted wait (Mirage-style): idle gaps and queue time.
 - `profiling`      a profiled run's traces read back: step phases, each collective, the comm/compute overlap per
                    rank, Horovod's timeline, and the Timeline figure (the Timeline widget's core).
+- `tensorboard`    a run's event scalars (loss, lr, samples/s, phase times, memory) as TensorBoard files, one
+                   TensorBoard run per rank: `export_scalars(run_dir)`; JupyterLab's TensorBoard tile shows them.
 - `optimization`   (lab 09) LARS with the student's trust ratio against pytorch-optimizer's, time to accuracy
                    across optimizers and batches, K-FAC/KAISA trajectories and costs on ranks (`run_spmd`).
 - `workflows`      (lab 10) a lineage store of models sharing tensors with their parents, continual learning
