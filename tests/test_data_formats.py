@@ -136,3 +136,40 @@ def test_local_store_reads_ranges_and_counts_bytes(stored):
     store = LocalStore(stored["shards"])
     part = store.read("shard-00000.bin", offset=10, length=20)
     assert len(part) == 20 and store.stats.bytes == 20 and store.stats.opens == 1
+
+
+def test_shard_stream_batches_are_views_of_one_window_buffer_not_copies(stored, arrays):
+    ds = open_dataset(write_dataset(*arrays, stored["shards"].parent / "raw-shards", "shards", samples_per_shard=64))
+    stream = ShardStream(ds, batch=16, window=2)
+    batches = iter(stream)
+    (first, _), (second, _) = next(batches), next(batches)
+    # consecutive batches of a window sit back to back in one buffer: no gather into a new array per batch
+    assert second.data_ptr() == first.data_ptr() + first.nbytes
+
+
+def test_kept_batches_stay_intact_and_dropped_ones_let_the_buffer_be_reused(stored, arrays):
+    ds = open_dataset(write_dataset(*arrays, stored["shards"].parent / "raw-shards", "shards", samples_per_shard=64))
+    kept = list(ShardStream(ds, batch=16, seed=5))  # every batch held: no buffer may be refilled under them
+    copied = [(xb.clone(), yb.clone()) for xb, yb in ShardStream(ds, batch=16, seed=5)]
+    assert len(kept) == len(copied) > 10
+    assert all(np.array_equal(a.numpy(), c.numpy()) and np.array_equal(b.numpy(), d.numpy())
+               for (a, b), (c, d) in zip(kept, copied))
+    dropping = ShardStream(ds, batch=16, seed=5)
+    allocated = []
+    for epoch in range(6):
+        dropping.set_epoch(epoch)
+        for _ in dropping:
+            pass
+        allocated.append(dropping._pool.allocated)
+    assert allocated[2] == allocated[-1] <= 4  # a few buffers, then reused window after window, epoch after epoch
+
+
+def test_store_view_maps_a_file_once_and_counts_it_like_a_read(stored):
+    store = LocalStore(stored["shards"])
+    whole = (stored["shards"] / "shard-00000.bin").read_bytes()
+    assert bytes(store.view("shard-00000.bin")) == whole
+    store.view("shard-00000.bin")
+    assert store.stats.opens == 1 and store.stats.reads == 2 and store.stats.bytes == 2 * len(whole)
+    slow = CachedStore(ThrottledStore(stored["shards"], open_latency_s=0.001), stored["shards"].parent / "view-cache")
+    assert bytes(slow.view("shard-00000.bin")) == whole and bytes(slow.view("shard-00000.bin")) == whole
+    assert slow.remote.stats.opens == 1 and slow.local.stats.opens == 1  # fetched once, mapped once

@@ -12,6 +12,7 @@ clients do (the sleeps release the GIL), and the bandwidth budget is shared by t
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import threading
@@ -71,11 +72,12 @@ class LocalStore:
         self.root = Path(root)
         self.stats = IOStats()
         self._handles: dict[str, object] = {}
+        self._maps: dict[str, memoryview] = {}
         self._pid = os.getpid()
 
     def __getstate__(self):  # DataLoader workers get a copy: open files never cross a fork or a pickle
         state = dict(self.__dict__)
-        state["_handles"] = {}
+        state["_handles"], state["_maps"] = {}, {}
         return state
 
     def path(self, name: str) -> Path:
@@ -119,9 +121,25 @@ class LocalStore:
         self.stats.add(reads=1, bytes=n)
         return n
 
-    def _handle(self, name: str):
+    def view(self, name: str) -> memoryview:
+        """All of `name` as a read-only view of the page cache (mapped once, kept): no copy into a buffer.
+        Counted like reading the whole file: one read of its size per call, one open per file."""
+        self._after_fork()
+        view = self._maps.get(name)
+        if view is None:
+            with self._open(name) as f:
+                size = os.fstat(f.fileno()).st_size
+                view = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+            self._maps[name] = view
+        self.stats.add(reads=1, bytes=len(view))
+        return view
+
+    def _after_fork(self) -> None:
         if self._pid != os.getpid():  # forked: the parent's descriptors are shared state, start over
-            self._handles, self._pid = {}, os.getpid()
+            self._handles, self._maps, self._pid = {}, {}, os.getpid()
+
+    def _handle(self, name: str):
+        self._after_fork()
         f = self._handles.get(name)
         if f is None:
             f = self._handles[name] = self._open(name)
@@ -135,7 +153,7 @@ class LocalStore:
         """Close the handles kept open."""
         for f in self._handles.values():
             f.close()
-        self._handles = {}
+        self._handles, self._maps = {}, {}  # a mapping is unmapped once the last array over it is gone
 
 
 class ThrottledStore(LocalStore):
@@ -192,6 +210,12 @@ class ThrottledStore(LocalStore):
         self._transfer(n)
         return n
 
+    def view(self, name: str) -> memoryview:
+        """view, after the open's latency (first time), then wait for the shared bandwidth budget."""
+        data = super().view(name)
+        self._transfer(len(data))
+        return data
+
     def _transfer(self, nbytes: int) -> None:
         if not self.bandwidth or not nbytes:
             return
@@ -247,6 +271,13 @@ class CachedStore:
         n = self.local.readinto(name, buffer, offset, keep_open)
         self.stats.add(reads=1, bytes=n)
         return n
+
+    def view(self, name: str) -> memoryview:
+        """A view of the local copy (see LocalStore.view)."""
+        self._ensure(name)
+        data = self.local.view(name)
+        self.stats.add(reads=1, bytes=len(data))
+        return data
 
     def path(self, name: str) -> Path:
         """The local copy's path (fetched first when missing): for libraries that open files themselves."""

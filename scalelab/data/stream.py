@@ -1,9 +1,10 @@
 """Streaming packed shards: whole shards in one large read each, samples shuffled within a window of shards.
 
 Random access (one positioned read per sample, `ShardDataset[i]`) keeps the exact order of a global shuffle
-but pays a call per sample. Streaming reads each shard with one sequential read into a reused buffer and
-slices samples out of it, so a loader runs at close to the disk's (or the file system's) sequential
-bandwidth. The price is a weaker shuffle: shards are shuffled per epoch and samples only within a window of
+but pays a call per sample. Streaming takes each shard whole — mapped from the page cache when the store can
+(`store.view`), else one sequential read into a reused buffer — and copies every sample once, straight to its
+shuffled place in a reused batch buffer; batches are views of that buffer. One copy per byte, as a plain
+read() makes, so a loader runs at the disk's (or the file system's) sequential bandwidth. The price is a weaker shuffle: shards are shuffled per epoch and samples only within a window of
 `window` shards, which is what WebDataset-style and FanStore-style loaders do at scale.
 
     stream = ShardStream(open_dataset("data/shards"), batch=256, rank=0, world=2, seed=0)
@@ -12,6 +13,7 @@ bandwidth. The price is a weaker shuffle: shards are shuffled per epoch and samp
 """
 from __future__ import annotations
 
+import weakref
 import zlib
 
 import numpy as np
@@ -31,6 +33,8 @@ class ShardStream:
         self.seed, self.window, self.shuffle = seed, max(1, window), shuffle
         self.epoch = 0
         self._buffer = bytearray()  # one window of shards, back to back, reused from window to window
+        self._features = int(np.prod(self.ds.shape))
+        self._pool = BatchBuffers()
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle shards and samples differently in the next iteration (same seed: same order)."""
@@ -59,41 +63,102 @@ class ShardStream:
             self.ds.store.readinto(shard_name(k), view[pos:pos + size], 0, keep_open=True)
             pos += size
         members = np.concatenate([self.ds.shard_members(k) for k in shards])
-        if self.ds.compressed:
-            starts = np.cumsum([0] + sizes[:-1])
-            base = np.repeat(starts, [len(self.ds.shard_members(k)) for k in shards])
-            x = np.stack([np.frombuffer(zlib.decompress(view[b + o:b + o + n]), dtype=self.ds.dtype)
-                          for b, o, n in zip(base, self.ds.offset[members], self.ds.length[members])])
-        else:  # a view: the batch gather below is the only copy of the data
+        if self.ds.compressed:  # decoded straight into one array: no list of arrays to stack
+            starts = np.repeat(np.cumsum([0] + sizes[:-1]), [len(self.ds.shard_members(k)) for k in shards])
+            x = np.empty((len(members), self._features), self.ds.dtype)
+            for row, (b, n) in enumerate(zip(starts + self.ds.offset[members], self.ds.length[members])):
+                x[row] = np.frombuffer(zlib.decompress(view[b:b + n]), dtype=self.ds.dtype)
+        else:  # a view of the buffer
             x = np.frombuffer(view, dtype=self.ds.dtype)
         return x.reshape(len(members), *self.ds.shape), self.ds.labels[members]
+
+    def _sources(self, shards: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """The window's samples as row arrays, one per shard (views of the mapped files when the store can
+        map them and the samples are stored raw), and their labels, in window order."""
+        members = [self.ds.shard_members(k) for k in shards]
+        row_bytes = self._features * self.ds.dtype.itemsize
+        if self.ds.compressed or not hasattr(self.ds.store, "view") \
+                or any(self._shard_bytes(k) != len(m) * row_bytes for k, m in zip(shards, members)):
+            x, y = self.read_window(shards)
+            return [x.reshape(len(x), -1)], y
+        rows = [np.frombuffer(self.ds.store.view(shard_name(k)), self.ds.dtype, len(m) * self._features)
+                .reshape(len(m), -1) for k, m in zip(shards, members)]
+        return rows, self.ds.labels[np.concatenate(members)]
 
     def __iter__(self):
         rng = np.random.default_rng((self.seed, self.epoch, self.rank, 1))
         shards = self.my_shards()
-        carry_x, carry_y = np.empty((0, *self.ds.shape), self.ds.dtype), np.empty(0, np.int64)
+        carry_x, carry_y = np.empty((0, self._features), self.ds.dtype), np.empty(0, np.int64)
         for w in range(0, len(shards), self.window):
-            x, y = self.read_window(shards[w:w + self.window])
-            idx = rng.permutation(len(x)) if self.shuffle else np.arange(len(x))
-            # the samples left over from the last window fill the first batch of this one
-            first = self.batch - len(carry_x)
-            if len(idx) >= first:
-                take = idx[:first]
-                yield (torch.from_numpy(np.concatenate([carry_x, x[take]])),
-                       torch.from_numpy(np.concatenate([carry_y, y[take]])))
-                idx = idx[first:]
-                carry_x, carry_y = carry_x[:0], carry_y[:0]
-            whole = len(idx) - len(idx) % self.batch
-            rows = x.reshape(len(x), -1)  # take() on rows of a 2-D array is about twice as fast as on 4-D
+            sources, y = self._sources(shards[w:w + self.window])
+            size = len(y)
+            idx = rng.permutation(size) if self.shuffle else np.arange(size)
+            # batch order = the samples left over from the last window, then this window's in the order idx;
+            # each source row is copied once, straight to its place in a reused batch buffer (from the page
+            # cache when the store maps files), and every batch is a view of a slice of that buffer
+            c = len(carry_x)
+            out = self._pool.take(c + size, self._features, self.ds.dtype, spare=self.batch)
+            out[:c] = carry_x
+            place = np.empty_like(idx)
+            place[idx] = np.arange(c, c + size)  # where window row r goes: sources are read front to back
+            start = 0
+            for rows in sources:
+                out[place[start:start + len(rows)]] = rows
+                start += len(rows)
+            labels = np.concatenate([carry_y, y[idx]])
+            del sources
+            whole = len(out) - len(out) % self.batch
             for k in range(0, whole, self.batch):
-                take = idx[k:k + self.batch]
-                yield torch.from_numpy(rows.take(take, axis=0).reshape(-1, *self.ds.shape)), torch.from_numpy(y[take])
-            rest = idx[whole:]  # copied out: the buffer is about to be overwritten
-            carry_x, carry_y = np.concatenate([carry_x, x[rest]]), np.concatenate([carry_y, y[rest]])
+                # the tracked array must be the very one the tensor holds (a view of a view names the buffer as its base)
+                batch = self._pool.hand_out(out[k:k + self.batch].reshape(-1, *self.ds.shape))
+                yield torch.from_numpy(batch), torch.from_numpy(labels[k:k + self.batch])
+            carry_x, carry_y = out[whole:].copy(), labels[whole:]  # copied out: the buffer is reused
+            del out  # this window is done: only the batches handed out keep its buffer busy
 
     def __len__(self) -> int:
         """Whole batches this rank yields per epoch."""
         return sum(len(self.ds.shard_members(k)) for k in self.my_shards()) // self.batch
 
 
-__all__ = ["ShardStream"]
+class BatchBuffers:
+    """Row buffers for windows of batches, reused once no batch handed out from them is still alive.
+
+    A batch is a view of its window's buffer, so a buffer may be refilled only when nothing refers to it any
+    more: every slice handed out is tracked by a weak reference (a tensor made by torch.from_numpy keeps its
+    array alive, and so do all views of that tensor). A consumer that keeps batches (list(stream)) therefore
+    gets fresh buffers and intact data; one that drops them, as a training loop does, cycles through `keep`.
+    """
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._buffers: list[tuple[np.ndarray, list]] = []  # (buffer, weak references to what it handed out)
+        self.allocated = 0  # buffers made so far: stays at `keep` or below when batches are dropped in time
+
+    def take(self, rows: int, features: int, dtype, spare: int = 0) -> np.ndarray:
+        """A (rows, features) view of a buffer nothing refers to any more (a new one, `spare` rows larger so
+        that it fits the next window's carried-over samples too, when all are busy or too small)."""
+        for buf, refs in self._buffers:
+            if buf.shape[0] >= rows and buf.shape[1] == features and buf.dtype == dtype \
+                    and not any(r() is not None for r in refs):
+                refs.clear()
+                return self._track(refs, buf[:rows])
+        largest = max((b.shape[0] for b, _ in self._buffers), default=0)  # windows vary: converge on the largest
+        buf, refs = np.empty((max(rows + spare, largest), features), dtype), []
+        self.allocated += 1
+        self._buffers = (self._buffers + [(buf, refs)])[-self.keep:]  # a busy buffer dropped here lives on in its batches
+        return self._track(refs, buf[:rows])
+
+    def hand_out(self, view: np.ndarray) -> np.ndarray:
+        """A slice of a view `take` returned, tracked: its buffer stays busy while the slice lives."""
+        for buf, refs in self._buffers:
+            if view.base is buf:
+                return self._track(refs, view)
+        return view  # its buffer was dropped from the pool: it is never reused, nothing to track
+
+    @staticmethod
+    def _track(refs: list, view: np.ndarray) -> np.ndarray:
+        refs.append(weakref.ref(view))
+        return view
+
+
+__all__ = ["ShardStream", "BatchBuffers"]
