@@ -76,8 +76,18 @@ record("conv_fraction", 30.0 / 60.0)
 rates = [("baseline", 600.0), ("2 loader workers", 1500.0), ("batch 128", 2400.0)]
 record("ladder", [{"name": n, "samples_per_s": v, "speedup": v / rates[0][1], "gain": v / rates[max(i - 1, 0)][1]}
                   for i, (n, v) in enumerate(rates)])
+shares = {"traced": {"data": 0.74, "forward": 0.17, "backward": 0.08, "optimizer": 0.01},
+          "traced-fixed": {"data": 0.12, "forward": 0.17, "backward": 0.68, "optimizer": 0.03}}
+for name, (key, run) in zip(("trace_before", "trace_after"), shares.items()):
+    record(name, {"run_dir": f"runs/lab01/{key}", "steps": 3, "shares": run,
+                  "ms_per_step": {p: 40 * v for p, v in run.items()}})
+record("slowest_phase", "data")
+record("trace_fix", {"data.format": "shards"})
 if EVENTS:
     fake_run("runs/lab01/baseline", losses=[1.4 - 0.01 * i for i in range(20)], batch=batch, step_s=step_s)
+    for key, run in shares.items():
+        fake_run(f"runs/lab01/{key}", losses=[1.4, 1.3, 1.2, 1.1, 1.0], batch=batch, step_s=0.04,
+                 data_fraction=run["data"])
 '''
 
 LAB02 = '''
@@ -105,6 +115,16 @@ for n in (1, 2):
         fake_run(run_dir, world=n, losses=losses, batch=batch, step_s=step_s)
 record("panel_runs", runs)
 record("efficiency", runs[1]["samples_per_s"] / (2 * runs[0]["samples_per_s"]))
+record("ddp_timeline", {"run_dir": "runs/lab02/ddp-traced", "ranks": {str(r): {"steps": 3, "allreduces": 6,
+                                                                               "comm_ms": 5.0, "overlap": 0.2}
+                                                                        for r in range(2)}})
+caps = ((0.1, 6, 20.0, 2.0), (0.5, 3, 6.0, 1.0), (25.0, 1, 5.0, 0.5))  # cap, buckets, comm and hidden ms per step
+overlap = [{"bucket_cap_mb": c, "allreduces": 3 * b, "comm_ms": m, "hidden_ms": h, "exposed_ms": m - h,
+            "overlap": h / m} for c, b, m, h in caps]
+record("bucket_overlap", overlap)
+record("least_exposed_cap", 25.0)
+if EVENTS:
+    fake_run("runs/lab02/ddp-traced", world=2, losses=losses[:6], batch=batch, step_s=step_s)
 '''
 
 LAB06 = '''
@@ -169,6 +189,8 @@ for strategy, launcher, step_s in (("ddp", "local", 0.010), ("horovod", "horovod
         fake_run(run_dir, world=2, losses=losses, batch=batch, step_s=step_s, strategy=strategy)
 record("engine_runs", runs)
 record("comparison", {"max_loss_diff": 0.0, "hvd_over_ddp": runs[1]["samples_per_s"] / runs[0]["samples_per_s"]})
+record("hvd_fusion", {"run_dir": runs[1]["run_dir"], "tensors": 13, "allreduces": 156, "fused_allreduces": 39,
+                      "tensors_per_fused": 4.0, "cycles": 1500, "negotiate_ms": 8.0, "fused_allreduce_ms": 3.0})
 '''
 
 LAB04 = '''

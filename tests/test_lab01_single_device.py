@@ -30,6 +30,8 @@ def test_reference_numbers_tell_the_lab_story(reference):
     sweep = {r["workers"]: r["samples_per_s"] for r in records["loader_sweep"]}
     assert max(sweep.values()) > 1.5 * sweep[0]
     assert records["compile"]["backend"] == "aot_eager" and records["compile"]["ok"]
+    before, after = records["trace_before"]["shares"], records["trace_after"]["shares"]
+    assert records["slowest_phase"] == "data" and after["data"] < 0.5 * before["data"]  # shards: one open per shard
 
 
 def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
@@ -56,6 +58,13 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path
     (lambda r: r.update(baseline_samples_per_s=100 * r["inprocess_full_sps"]), "baseline_is_the_engine_run"),
     (lambda r: r.update(inprocess_full_sps=r["inprocess_full_sps"] / 100), "engine_and_process_agree"),
     (lambda r: r.update(baseline_run_dir="runs/elsewhere"), "baseline_is_the_engine_run"),
+    (lambda r: r["trace_after"]["shares"].update(data=0.0, forward=r["trace_after"]["shares"]["forward"]
+                                                 + r["trace_after"]["shares"]["data"]),
+     "trace_shares_are_the_runs_traces"),
+    (lambda r: r["trace_after"].update(run_dir=r["trace_before"]["run_dir"]), "trace_shares_are_the_runs_traces"),
+    (lambda r: r.update(trace_after=r["trace_before"]), "fixed_phase_shrank"),
+    (lambda r: r.update(slowest_phase="forward"), "fixed_phase_shrank"),
+    (lambda r: r["trace_before"]["shares"].update(optimizer=0.5), "traces_read"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -107,3 +107,27 @@ def ladder_climbs(r):
     if final >= 1.3:
         return None
     return partial(max(0.0, (final - 1) / 0.3), f"the last rung is only {final:.2f}x the baseline")
+
+
+@check(points=1, needs_run=True)
+def traces_read(r):
+    """The engine run was profiled before and after the fix, each trace's phase shares recorded."""
+    for name in ("trace_before", "trace_after"):
+        t = r[name]
+        assert t["steps"] >= 1 and {"data", "forward", "backward", "optimizer"} <= set(t["shares"]), \
+            f"{name} holds no profiled step with the four phases: {t['shares']}"
+        assert abs(sum(t["shares"].values()) - 1) < 1e-6, f"{name}: the shares add up to {sum(t['shares'].values())}"
+    assert r["trace_before"]["run_dir"] != r["trace_after"]["run_dir"], "trace the fixed run into its own folder"
+
+
+@check(points=2, needs_run=True)
+def fixed_phase_shrank(r):
+    """Exercise 4: the slowest phase of the first trace is named, and after the fix its share fell clearly."""
+    before, after = r["trace_before"]["shares"], r["trace_after"]["shares"]
+    want = max(before, key=before.get)
+    assert r["slowest_phase"] == want, f"slowest_phase={r['slowest_phase']!r}, but {want} leads the first trace " \
+                                       f"with {100 * before[want]:.0f} %"
+    assert r["trace_fix"], "fix is empty: give the RunSpec overrides that should shrink that phase"
+    b, a = before[want], after.get(want, 0.0)
+    assert a <= 0.8 * b, f"after {r['trace_fix']}, {want} still takes {100 * a:.0f} % of the step " \
+                         f"({100 * b:.0f} % before): try another fix"

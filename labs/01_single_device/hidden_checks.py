@@ -1,12 +1,18 @@
 """Lab 01 hidden checks: the engine baseline against its event files, and recorded values against each other.
 
-The engine baseline is the one number of this lab that events back; the rest (split, loader sweep, precisions,
-compile, profile, ladder) are measured in the notebook's own process and are held against each other and, loosely,
-against the evidenced baseline. Every check needs a real run (`needs_run`).
+The engine baseline and the two traced runs (before and after the fix) are what events and traces back: the
+grader re-reads each traced run's trace from the working copy (no link followed) and re-derives the phase shares.
+The rest (split, loader sweep, precisions, compile, profile, ladder) are measured in the notebook's own process and
+are held against each other and, loosely, against the evidenced baseline. Every check needs a real run
+(`needs_run`).
 """
+import json
 import math
 
+from scalelab.experiments.profiling import read_run_file
+from scalelab.experiments.single_device import phase_shares
 from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.evidence import WORKDIR
 
 
 def _close(a, b, rel):
@@ -77,3 +83,27 @@ def precision_speedups_are_consistent(r):
     rows = r["precision"]
     for row in rows:
         assert _close(row["speedup"], row["samples_per_s"] / rows[0]["samples_per_s"], 1e-6), row["precision"]
+
+
+@check(points=3, needs_run=True)
+def trace_shares_are_the_runs_traces(r):
+    """Before and after the fix: the phase shares are what the run's own trace shows (re-read by the grader), and
+    the runs' event files agree that the data wait fell when the trace says so (the events cover every step, the
+    trace the profiled ones: on a loaded machine their shares differ, their order does not)."""
+    data = {}
+    for name in ("trace_before", "trace_after"):
+        t = r[name]
+        found, work = evidence(r, t["run_dir"]), r[WORKDIR]
+        assert found["world_size"] == 1, f"{name}: the run had {found['world_size']} processes, not 1"
+        try:
+            trace = json.loads(read_run_file(work, f"{t['run_dir']}/traces/rank-0.json"))
+            again = phase_shares(t["run_dir"], trace=trace)
+        except Exception as e:  # missing, a link, too big, not a trace: all the student's files
+            raise AssertionError(f"{name}: the run's trace could not be read ({type(e).__name__}: {e})") from None
+        for phase, share in again["shares"].items():
+            close(share, t["shares"].get(phase), what=f"{name} {phase} share")
+        data[name] = (again["shares"]["data"], found["time_fraction"]["data"])
+    (trace_b, events_b), (trace_a, events_a) = data["trace_before"], data["trace_after"]
+    if trace_a < 0.8 * trace_b:
+        assert events_a < events_b, f"the traces show the data wait falling ({trace_b:.2f} -> {trace_a:.2f}), " \
+                                    f"the runs' events do not ({events_b:.2f} -> {events_a:.2f})"
