@@ -2,17 +2,13 @@
 
 A student copy is built the way `scalelab labs release` builds it (solution blocks replaced by a stub, hidden
 checks left out); `grade` runs a lab's public and hidden checks on records; `run_reference` executes a lab's
-reference notebook under papermill at its grading parameters once per test module.
+reference notebook under papermill at its grading parameters once per test module, as the site build does.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -20,7 +16,8 @@ import yaml
 from scalelab.course.release import strip_solutions
 from scalelab.grade.checks import lab_checks, run_checks
 from scalelab.grade.evidence import run_evidence
-from scalelab.testing.labs import execute_lab
+from scalelab.course.site import ensure_executed
+from scalelab.record import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
@@ -60,31 +57,17 @@ def failures(results) -> list[str]:
 
 
 
-@contextlib.contextmanager
-def busy_core():
-    """A process burning one core for as long as the block runs (a loaded laptop, a shared login node)."""
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        burner.kill()
-        burner.wait()
+def run_reference(lab_dir: Path) -> tuple[dict, float]:
+    """Execute the reference notebook with lab.yaml's grading parameters: (records with the grader's evidence,
+    seconds).
 
-
-def run_reference(lab_dir: Path, out: Path, cell_timeout: float, total_timeout: float,
-                  runs_in_out: bool = False) -> tuple[dict, float]:
-    """Execute the reference notebook with lab.yaml's grading parameters: (records, seconds).
-
-    runs_in_out: point the notebook's out_dir parameter into `out` (labs that write many runs to disk)."""
-    params = grading_parameters(lab_dir)
-    if runs_in_out:
-        params = {**params, "out_dir": str(out / "runs")}
-    start = time.monotonic()
-    result = execute_lab(lab_dir, params, output_dir=out, cell_timeout=cell_timeout, total_timeout=total_timeout)
-    # the grader's evidence from the runs' event files, as `scalelab grade` adds it (no start bound: the engine
-    # appends to event files that earlier runs of the lab folder left, and the summary is of the last launch)
-    records = {**result.records, **run_evidence(out if runs_in_out else lab_dir)}
-    return records, time.monotonic() - start
+    It is the site build's execution (`ensure_executed`, into build/executed/<lab>/), always run anew here since the
+    tests are about today's library; the site test later in the same run reuses that copy instead of executing every
+    lab a third time (besides test_grade_labs)."""
+    executed = ensure_executed(lab_dir, force=True)
+    # the grader's evidence from the runs' event files, as `scalelab grade` adds it
+    records = {**read_records(executed.notebook), **run_evidence(executed.notebook.parent)}
+    return records, executed.duration_s
 
 
 def assert_full_marks_within(lab_dir: Path, reference: tuple[dict, float], budget_s: float) -> None:
