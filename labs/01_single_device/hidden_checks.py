@@ -44,11 +44,11 @@ def baseline_is_the_engine_run(r):
 
 @check(points=1, needs_run=True)
 def engine_and_process_agree(r):
-    """The engine's baseline (from its events) and the in-process measurement are within a factor 10 of each
-    other (two short measurements taken a few seconds apart on a shared machine can differ several-fold; a forged
-    number by more)."""
+    """The engine's baseline (from its events) and the in-process measurement are within a factor 30 of each
+    other: two short measurements taken seconds apart on a shared machine can differ more than ten-fold (engine 90
+    vs in-process 1120 samples/s was seen at load 7); a forged number by far more."""
     a, b = evidence(r, r["baseline_run_dir"])["samples_per_s"], r["inprocess_full_sps"]
-    assert 1 / 10 <= a / b <= 10, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
+    assert 1 / 30 <= a / b <= 30, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
 
 
 @check(points=2, needs_run=True)
