@@ -9,6 +9,7 @@
 - `posture`    who servers run as and who signs in: `run_as: auto`, unsafe combinations refused, `--check`'s table
 - `authenticator`  shared-password sign-in with throttling
 - `singleuser` the job-side wrapper that reports the port and starts JupyterLab
+- `tensorboard_proxy`  TensorBoard in JupyterLab through jupyter-server-proxy, on a private Unix socket (no TCP port)
 - `provision`  handing the labs out without overwriting a student's work
 - `kernels`    the course kernel specs in kernels/
 - `auth`, `culler`   passwords, the idle culler service
