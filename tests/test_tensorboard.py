@@ -128,3 +128,14 @@ def test_the_server_has_no_tcp_port_and_another_account_cannot_connect(run_dir):
         proc.wait(timeout=30)
     assert not os.path.exists(path)  # removed at SIGTERM
     os.rmdir(sock_dir)
+
+
+def test_the_default_logdir_is_the_labs_folder_then_the_home_and_the_course_setting_wins(tmp_path, monkeypatch):
+    from scalelab.hub.tensorboard_proxy import LOGDIR_ENV, default_logdir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(LOGDIR_ENV, raising=False)
+    assert default_logdir() == str(tmp_path)  # no labs handed out yet
+    (tmp_path / "labs").mkdir()
+    assert default_logdir() == str(tmp_path / "labs")  # not the whole home, which may hold big data sets
+    monkeypatch.setenv(LOGDIR_ENV, str(tmp_path / "elsewhere"))
+    assert default_logdir() == str(tmp_path / "elsewhere")

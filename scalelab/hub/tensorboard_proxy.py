@@ -24,8 +24,9 @@ so students' code can reach each other's sockets and files alike (that mode keep
 only: see `scalelab.hub.course_spawner`). Root on the node reads everything. The student's own code can of
 course read and change what their TensorBoard shows.
 
-The logdir is the student's home (``$HOME``: labs write their runs under ~/labs/<lab>/runs), or
-``SCALELAB_TENSORBOARD_LOGDIR`` when the course sets it (`servers.environment` in the course settings).
+The logdir is ~/labs, where the handed-out labs write their runs (~/labs/<lab>/runs), or the home when there is
+no ~/labs, or ``SCALELAB_TENSORBOARD_LOGDIR`` when the course sets it (`servers.environment` in the course
+settings).
 """
 from __future__ import annotations
 
@@ -56,8 +57,12 @@ def server_proxy_config() -> dict:
 
 
 def default_logdir() -> str:
-    """SCALELAB_TENSORBOARD_LOGDIR if set, else the student's home."""
-    return os.environ.get(LOGDIR_ENV) or os.path.expanduser("~")
+    """SCALELAB_TENSORBOARD_LOGDIR if set, else ~/labs (where the handed-out labs write their runs) when it exists,
+    else the home: TensorBoard rescans its whole logdir every RELOAD_S seconds, and a home may hold big data sets."""
+    if os.environ.get(LOGDIR_ENV):
+        return os.environ[LOGDIR_ENV]
+    labs = os.path.expanduser("~/labs")
+    return labs if os.path.isdir(labs) else os.path.expanduser("~")
 
 
 def check_private_dir(socket_path: str) -> None:
@@ -120,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m scalelab.hub.tensorboard_proxy --socket PATH [--logdir DIR]`."""
     parser = argparse.ArgumentParser(prog="python -m scalelab.hub.tensorboard_proxy", description=main.__doc__)
     parser.add_argument("--socket", required=True, help="Unix socket to serve on (its directory must be 0700)")
-    parser.add_argument("--logdir", default=None, help=f"runs to show (default: ${LOGDIR_ENV}, else the home)")
+    parser.add_argument("--logdir", default=None,
+                        help=f"runs to show (default: ${LOGDIR_ENV}, else ~/labs, else the home)")
     args = parser.parse_args(argv)
     logdir = args.logdir or default_logdir()
     if not os.path.isdir(logdir):
