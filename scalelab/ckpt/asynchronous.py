@@ -33,6 +33,11 @@ class HostSnapshot:
 
     def copy(self, state, path: str = ""):
         """A snapshot of `state` whose tensors live in this object's buffers (valid until the next copy)."""
+        if isinstance(state, torch.Tensor) and type(state).__name__ == "DTensor":  # a shard: copy the local part
+            from torch.distributed.tensor import DTensor
+            local = self.copy(state.to_local(), path)
+            return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
+                                      shape=state.shape, stride=state.stride())
         if isinstance(state, torch.Tensor):
             buf = self._buffers.get(path)
             if buf is None or buf.shape != state.shape or buf.dtype != state.dtype:

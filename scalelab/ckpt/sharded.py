@@ -2,8 +2,9 @@
 
 With DDP every rank holds the same replicated state; DCP's planner deduplicates it and spreads the tensors
 over the ranks, so W ranks write ~1/W of the bytes each instead of rank 0 writing everything (with FSDP or
-tensor parallelism each rank's shard is genuinely its own). `async_save=True` uses DCP's asynchronous save:
-the state is staged to host memory and written by a background thread while training goes on.
+tensor parallelism each rank's shard is genuinely its own). `async_save=True` returns after taking the state
+dict: a writer thread copies it into host buffers kept from save to save (the optimizer's next step waits for
+that copy, as the async mode's does), then does the whole DCP save of that copy, collectives included.
 
 Atomicity is the same contract as the single-file modes: every rank writes into `.step-<N>.partial/`; once
 DCP's coordinator has written the metadata (which it does only after every rank's data is written), rank 0
@@ -20,11 +21,13 @@ import shutil
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .asynchronous import HostSnapshot
 from .manifest import CheckpointError, checksum_file, fsync_dir, latest, record, verify
 
 
@@ -53,40 +56,105 @@ class ShardedCheckpointer:
         self._group = dist.new_group(backend="gloo") if distributed else None  # collective: all ranks call it
         self._no_dist = not distributed
         self._pending = None  # (finalised event, step) of the save in flight
+        self._writer, self._snapshot = None, None  # made at the first asynchronous save
+        self._staging = None  # (staging future, step) the optimizer's next step must wait for
+        self._update_wait: dict[int, float] = {}
+        self._hooks: dict[int, object] = {}
         self._done: list[dict] = []
         self._error: BaseException | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, metric: float | None = None, extra: dict | None = None) -> dict:
-        """Write this rank's part (async: stage it and return). Raises an earlier async save's error."""
+        """Write this rank's part (async: start the copy and return). Raises an earlier async save's error."""
         dcp, get_state_dict, _ = _dcp()
         t0 = time.perf_counter()
         self._wait_pending()  # one save in flight at most: its staged copy must not be overwritten
         waited = time.perf_counter() - t0
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "step": step}
+        if self.async_save and not self._no_dist:
+            size = self._save_async(step, model, optimizer, metric)
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd, "step": step}
+            partial = self._prepare(step)
+            start = time.perf_counter()
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(partial), process_group=self._group, no_dist=self._no_dist)
+            self._finish(step, metric, start)
+            size = _state_bytes(state)
+        return {"step": step, "blocked_s": time.perf_counter() - t0, "waited_s": waited,
+                "path": str(self.directory / sharded_name(step)), "bytes": size // max(self.world, 1)}
+
+    def _save_async(self, step: int, model, optimizer, metric) -> int:
+        """Hand the state to the writer thread and return its bytes: nothing is copied, planned or written here.
+
+        The writer takes the state dict and copies it into host buffers kept from save to save (`HostSnapshot`,
+        pinned with a GPU) while the next forward and backward run — the optimizer's next step waits for that
+        copy (a step pre-hook), as the async mode's does — then does what a synchronous save does: the barrier,
+        DCP's planning collectives on this checkpointer's own gloo group, the files, rank 0's checksums and rename.
+        A model with sharded (DTensor) parameters has its state dict taken here, between steps: FSDP swaps its
+        parameters during forward. So has an optimizer without state yet (DCP would initialise it with a step).
+        """
+        _, get_state_dict, _ = _dcp()
+        state = None
+        if not optimizer.state or any(type(p).__name__ == "DTensor" for p in model.parameters()):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd, "step": step}
+            size = _state_bytes(state)
+        else:  # the same tensors as DCP's state dict, found in a fraction of the time
+            size = _state_bytes([model.state_dict(), optimizer.state_dict()["state"]])
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sharded-write")
+            self._snapshot = HostSnapshot()
+        staged: Future = Future()
+        self._staging = (staged, step)
+        if id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(self._before_update)
+        finalised = threading.Event()
+        self._pending = (finalised, step)
+        self._writer.submit(self._write_async, state or (model, optimizer), staged, step, metric, finalised)
+        return size
+
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step pre-hook: wait until the staged copy is complete (counted as stall)."""
+        if self._staging is None:
+            return
+        staged, step = self._staging
+        t0 = time.perf_counter()
+        wait([staged])
+        self._update_wait[step] = self._update_wait.get(step, 0.0) + time.perf_counter() - t0
+        self._staging = None
+
+    def _write_async(self, state, staged: Future, step: int, metric, finalised: threading.Event) -> None:
+        dcp, get_state_dict, _ = _dcp()
+        try:
+            try:
+                if isinstance(state, tuple):  # a plain model: its state dict is taken here, before the copy
+                    model, optimizer = state
+                    model_sd, optim_sd = get_state_dict(model, optimizer)
+                    state = {"model": model_sd, "optim": optim_sd, "step": step}
+                state = self._snapshot.copy(state)
+                if self._snapshot.pin:
+                    torch.cuda.synchronize()  # the copies were non-blocking: they must have landed
+            finally:
+                staged.set_result(None)  # the optimizer may step now (a failed copy is reported below)
+            partial = self._prepare(step)
+            start = time.perf_counter()
+            dcp.save(state, checkpoint_id=str(partial), process_group=self._group, no_dist=self._no_dist)
+            self._finish(step, metric, start)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread by _wait_pending
+            self._error = e
+        finally:
+            finalised.set()
+
+    def _prepare(self, step: int) -> Path:
+        """The empty `.partial` directory every rank writes into (rank 0 clears one left by a killed attempt)."""
         partial = self.directory / f".{sharded_name(step)}.partial"
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left over from a killed attempt at this step
+            shutil.rmtree(partial, ignore_errors=True)
         self._barrier()
         partial.mkdir(parents=True, exist_ok=True)
-        kwargs = dict(checkpoint_id=str(partial), process_group=self._group, no_dist=self._no_dist)
-        start = time.perf_counter()
-        if self.async_save and not self._no_dist:
-            future = dcp.async_save(state, **kwargs)
-            future = getattr(future, "upload_completion", future)
-            finalised = threading.Event()
-            # finalise on DCP's writer thread as soon as the write completes: rank 0's checksums and rename
-            # never stall training
-            future.add_done_callback(lambda f: self._finish_async(f, step, metric, start, finalised))
-            self._pending = (finalised, step)
-        else:
-            with _quiet_single_process():
-                dcp.save(state, **kwargs)
-            self._finish(step, metric, start)
-        return {"step": step, "blocked_s": time.perf_counter() - t0, "waited_s": waited,
-                "path": str(self.directory / sharded_name(step)), "bytes": _state_bytes(state) // max(self.world, 1)}
+        return partial
 
     def _finish(self, step: int, metric, start: float) -> None:
         """Rank 0: checksum the complete directory, rename it into place, enter it in the manifest."""
@@ -114,15 +182,6 @@ class ShardedCheckpointer:
         self._done.append({"step": step, "path": str(final), "bytes": size, "flush_s": flush_s,
                            "finished_t": time.time()})
 
-    def _finish_async(self, future, step, metric, start, finalised: threading.Event) -> None:
-        try:
-            future.result()
-            self._finish(step, metric, start)
-        except BaseException as e:  # noqa: BLE001 - raised on the training thread by _wait_pending
-            self._error = e
-        finally:
-            finalised.set()
-
     def _wait_pending(self) -> None:
         if self._pending is None:
             return
@@ -135,16 +194,33 @@ class ShardedCheckpointer:
                                   f"{self.directory / sharded_name(step)} failed: {type(e).__name__}: {e}") from e
 
     def completed(self) -> list[dict]:
-        """Saves finished since the last call (an async one is finalised once its write is done)."""
+        """Saves finished since the last call (an async one is finalised once its write is done), each with
+        `update_wait_s`: how long the optimizer's step waited for its staged copy."""
         if self._pending is not None and self._pending[0].is_set():
             self._wait_pending()
-        done, self._done = self._done, []
-        return done
+        return self._report()
+
+    def in_flight(self) -> int:
+        """Saves started but not yet finalised (0 or 1)."""
+        return int(self._pending is not None and not self._pending[0].is_set())
 
     def close(self) -> list[dict]:
         """Finish the save in flight, if any; returns what was not yet reported."""
-        self._wait_pending()
+        try:
+            self._wait_pending()
+        finally:
+            for handle in self._hooks.values():
+                handle.remove()
+            self._hooks, self._staging = {}, None
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+        return self._report()
+
+    def _report(self) -> list[dict]:
         done, self._done = self._done, []
+        for entry in done:
+            entry["update_wait_s"] = self._update_wait.pop(entry["step"], 0.0)
         return done
 
     # -- resuming -------------------------------------------------------------------------------------
