@@ -14,10 +14,11 @@
   step waits for the snapshot (the copy into reused host buffers runs on a helper thread, hidden behind the
   next forward/backward), plus any wait for a previous flush that is still running. The steps' slowdown while a flush runs in the
   background (it shares the cores) is reported too: an honest async figure has both.
-- sharded async: the same loop with `ShardedCheckpointer` (torch.distributed.checkpoint async_save) on a
-  1-rank gloo group.
-Targets: async stall <= 0.1 x sync save time; sync save bytes/s >= 0.7 x plain write bytes/s.
-Medians of `--repeats`; the load average is recorded (the machine is shared, figures are noisy).
+- sharded async: the same loop with `ShardedCheckpointer(async_save=True)` (torch.distributed.checkpoint on a
+  writer thread) on a 1-rank gloo group.
+Targets: async stall <= 0.1 x sync save time; sync save bytes/s >= 0.7 x plain write bytes/s; sharded async
+stall <= 2 x async stall. The async and sharded saves take turns within each repeat (interleaved); medians of
+`--repeats`; the load average before and after is recorded (the machine is shared, figures are noisy).
 """
 from __future__ import annotations
 
@@ -83,33 +84,45 @@ def sync_vs_plain(directory: Path, model, opt, repeats: int) -> tuple[list[float
     return saves, plains, size
 
 
-def training_with(ck, model, opt, x, y, steps: int, every: int) -> dict:
-    """Train `steps` steps, checkpoint every `every`. A checkpoint's stall is the time its save call blocked
-    plus the time the next optimizer step waited for its snapshot (async overlap); step times are split by
-    whether a background flush was running."""
-    blocked, waits, quiet, busy = {}, {}, [], []
-    for step in range(1, steps + 1):
-        t0 = time.perf_counter()
-        train_step(model, opt, x, y)
-        flushing = _flushing(ck)
-        (busy if flushing else quiet).append(time.perf_counter() - t0)
-        if step % every == 0:
-            blocked[step] = ck.save(step, model, opt)["blocked_s"]
-        for done in ck.completed():
-            waits[done["step"]] = done.get("update_wait_s", 0.0)
-    for done in ck.close():
-        waits[done["step"]] = done.get("update_wait_s", 0.0)
-    stalls = [blocked[s] + waits.get(s, 0.0) for s in sorted(blocked)]
-    return {"stall_s": stalls, "save_call_s": [blocked[s] for s in sorted(blocked)],
-            "update_wait_s": [waits.get(s, 0.0) for s in sorted(blocked)],
-            "step_s_quiet": statistics.median(quiet) if quiet else None,
-            "step_s_during_flush": statistics.median(busy) if busy else None}
+def interleaved(cks: dict, model, opt, x, y, repeats: int, every: int) -> dict:
+    """Train with each checkpointer in turn, one save per checkpointer per repeat (rotating order, so both see the
+    same shared load). A save's stall is the time its call blocked plus the time the next optimizer step waited
+    for its snapshot; training goes on until that save is on disk before the next checkpointer's turn. Step times
+    are split by whether a background flush was running. One unrecorded save each first (buffers, threads)."""
+    out = {name: {"stall_s": [], "save_call_s": [], "update_wait_s": [], "quiet": [], "busy": []} for name in cks}
+    step = 0
+    for r in range(-1, repeats):
+        for name in list(cks)[r % len(cks):] + list(cks)[:r % len(cks)]:
+            ck, rec = cks[name], out[name]
+            for _ in range(every):
+                step += 1
+                _timed_step(ck, rec, model, opt, x, y)
+            saved, blocked, wait = step, ck.save(step, model, opt)["blocked_s"], None
+            for _ in range(10_000):  # until this save is on disk
+                step += 1
+                _timed_step(ck, rec, model, opt, x, y)
+                wait = next((d.get("update_wait_s", 0.0) for d in ck.completed() if d["step"] == saved), wait)
+                if wait is not None:
+                    break
+            if r >= 0:
+                rec["stall_s"].append(blocked + (wait or 0.0))
+                rec["save_call_s"].append(blocked)
+                rec["update_wait_s"].append(wait or 0.0)
+    for ck in cks.values():
+        ck.close()
+    for rec in out.values():
+        quiet, busy = rec.pop("quiet"), rec.pop("busy")
+        rec["step_s_quiet"] = statistics.median(quiet) if quiet else None
+        rec["step_s_during_flush"] = statistics.median(busy) if busy else None
+        rec["median_stall_s"] = statistics.median(rec["stall_s"])
+    return out
 
 
-def _flushing(ck) -> bool:
-    if isinstance(ck, AsyncCheckpointer):
-        return ck.in_flight() > 0
-    return ck._pending is not None and not ck._pending[0].is_set()
+def _timed_step(ck, rec, model, opt, x, y) -> None:
+    flushing = ck.in_flight() > 0
+    t0 = time.perf_counter()
+    train_step(model, opt, x, y)
+    (rec["busy"] if flushing else rec["quiet"]).append(time.perf_counter() - t0)
 
 
 def main(argv=None) -> int:
@@ -125,13 +138,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
         tmp = Path(tmp)
         sync_times, plain_times, size = sync_vs_plain(tmp, model, opt, args.repeats)
-        steps = args.every * args.repeats + 1
-        async_run = training_with(AsyncCheckpointer(tmp / "async", keep_last=1), model, opt, x, y, steps, args.every)
-        sharded_run = _sharded(tmp / "sharded", model, opt, x, y, steps, args.every)
+        runs = _async_modes(tmp, model, opt, x, y, args.repeats, args.every)
+        async_run, sharded_run = runs["async"], runs["sharded_async"]
         entry_bytes = read_manifest(tmp / "async")[-1]["bytes"]
 
     sync_s, plain_s = statistics.median(sync_times), statistics.median(plain_times)
-    async_stall = statistics.median(async_run["stall_s"])
+    async_stall = async_run["median_stall_s"]
+    sharded_stall = sharded_run["median_stall_s"]
+    # per repeat, the two saves were made back to back: the target is judged on the median of their ratios
+    sharded_over_async = statistics.median(s / a for s, a in zip(sharded_run["stall_s"], async_run["stall_s"]))
     result = {
         "benchmark": "checkpoint cost per mode vs a plain sequential write",
         "command": "python bench/bench_ckpt.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -142,34 +157,40 @@ def main(argv=None) -> int:
         "checkpoint_bytes": size, "async_checkpoint_bytes": entry_bytes,
         "sync_save": {"median_s": sync_s, "runs_s": sync_times, "bytes_per_s": size / sync_s},
         "plain_write": {"median_s": plain_s, "runs_s": plain_times, "bytes_per_s": size / plain_s},
-        "async": {"median_stall_s": async_stall, **async_run},
-        "sharded_async": {"median_stall_s": statistics.median(sharded_run["stall_s"]), **sharded_run},
+        "interleaved": "sync/plain alternate; async and sharded async save in turn within each repeat",
+        "async": async_run,
+        "sharded_async": sharded_run,
         "async_stall_over_sync_save": async_stall / sync_s,
         "sync_over_plain_bytes_per_s": plain_s / sync_s,
-        "targets": {"async_stall_over_sync_save": "<= 0.1", "sync_over_plain_bytes_per_s": ">= 0.7"},
+        "sharded_stall_over_async_stall": sharded_over_async,
+        "sharded_stall_over_async_stall_of_medians": sharded_stall / async_stall,
+        "targets": {"async_stall_over_sync_save": "<= 0.1", "sync_over_plain_bytes_per_s": ">= 0.7",
+                    "sharded_stall_over_async_stall": "<= 2 (issue 22, item 5)"},
     }
     result["met"] = {"async_stall_over_sync_save": result["async_stall_over_sync_save"] <= 0.1,
-                     "sync_over_plain_bytes_per_s": result["sync_over_plain_bytes_per_s"] >= 0.7}
+                     "sync_over_plain_bytes_per_s": result["sync_over_plain_bytes_per_s"] >= 0.7,
+                     "sharded_stall_over_async_stall": sharded_over_async <= 2}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"checkpoint {size / 1e6:.0f} MB: sync save {sync_s:.3f} s ({size / sync_s / 1e6:.0f} MB/s), plain write "
           f"{plain_s:.3f} s ({size / plain_s / 1e6:.0f} MB/s): ratio {result['sync_over_plain_bytes_per_s']:.2f}")
     print(f"async stall {async_stall * 1e3:.1f} ms = {result['async_stall_over_sync_save']:.3f} x sync save; "
-          f"sharded async stall {result['sharded_async']['median_stall_s'] * 1e3:.1f} ms")
+          f"sharded async stall {sharded_stall * 1e3:.2f} ms = {sharded_over_async:.2f} x async stall")
     print(f"step {async_run['step_s_quiet'] * 1e3:.1f} ms quiet, "
           f"{(async_run['step_s_during_flush'] or 0) * 1e3:.1f} ms while an async flush runs")
     print(f"wrote {args.out}")
     return 0 if all(result["met"].values()) else 1
 
 
-def _sharded(directory, model, opt, x, y, steps, every) -> dict:
-    """The training loop with DCP's async save, in a 1-rank gloo process group (async_save needs one)."""
+def _async_modes(tmp, model, opt, x, y, repeats, every) -> dict:
+    """The async and sharded async checkpointers, interleaved, in a 1-rank gloo group (async_save needs one)."""
     import torch.distributed as dist
     from scalelab.run.procs import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        return training_with(ShardedCheckpointer(directory, keep_last=1, async_save=True), model, opt, x, y,
-                             steps, every)
+        cks = {"async": AsyncCheckpointer(tmp / "async", keep_last=1),
+               "sharded_async": ShardedCheckpointer(tmp / "sharded", keep_last=1, async_save=True)}
+        return interleaved(cks, model, opt, x, y, repeats, every)
     finally:
         dist.destroy_process_group()
 
