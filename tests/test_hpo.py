@@ -41,8 +41,10 @@ def test_one_worker_with_the_same_seed_proposes_the_same_first_trials(local_run,
     threads = torch.get_num_threads()
     assert hpo.run_worker(tmp_path, 0) == 2 and torch.get_num_threads() == threads
     solo = hpo.summarize(tmp_path)  # read back from the journal file alone
+    # worker 0's first trials in the shared run; under load the other worker may take all but one of them
     first = [t["params"] for t in local_run["trials"] if t["worker"] == 0][:2]
-    assert [t["params"] for t in solo["trials"]] == first
+    assert first, "worker 0 ran no trial in the shared run"
+    assert [t["params"] for t in solo["trials"]][:len(first)] == first
     assert [t["steps"] for t in solo["trials"]] == [10, 10] and solo["steps_saved"] == 0
 
 
