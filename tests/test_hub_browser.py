@@ -107,7 +107,7 @@ def test_tensorboard_in_jupyterlab_shows_a_runs_scalars_and_memory_is_in_the_sta
         run.wait(timeout=120)
         export_scalars(run.run_dir)
         page.goto(f"{hub.url}/user/{user}/tensorboard/")
-        page.wait_for_selector("text=labs/01_intro/runs/run/tensorboard/rank-0", timeout=60_000)
+        page.wait_for_selector("text=01_intro/runs/run/tensorboard/rank-0", timeout=60_000)  # logdir ~/labs
         page.fill("input[placeholder='Filter tags (regex)']", "^loss$")
         page.get_by_text("loss", exact=True).first.wait_for()
         page.get_by_text("end/final_loss").wait_for(state="hidden")  # the filter leaves only the loss card
