@@ -7,8 +7,10 @@ Two forgeries per lab, made from the reference notebook by replacing its code ce
   (`test_the_forgeries_fit_the_recomputation_checks` proves it), so only the evidence stops them.
 - `forged_events`: the same, plus event files written by hand for every run dir the notebook records: a start
   event with the right world size, rising steps, samples/s = samples / step time, a final loss that is the mean of
-  the ranks' last losses, numbers that agree with the records. Written in one go, as a notebook does, so the wall
-  clock does not move as the step times say it must: the plausibility check rejects them.
+  the ranks' last losses, numbers that agree with the records; and, where the lab re-reads a run's profiler trace
+  or Horovod timeline (labs 01-03), a hand-made one whose re-derived figures are the records'. Written in one go,
+  as a notebook does, so the wall clock does not move as the step times say it must: the plausibility check on the
+  events rejects them (traces carry no such check: only the events' timing gives the forger away).
 
 Each real lab (01-06) is graded once (module-scoped, -j 2, the lab's small grading parameters) with its released
 student copy and both forgeries. The student copy stops at its first exercise; its score is the bar.
@@ -52,6 +54,16 @@ def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, e
                 if every and step % every == 0 and step < total:
                     emit(type="checkpoint", step=step, metric=loss, blocked_s=blocked_s, mode=mode)
             emit(type="end", steps=total, final_loss=losses[-1], eval_accuracy=0.5, elapsed_s=step_s * len(losses))
+
+def fake_trace(path, ranges):
+    """A Chrome trace like torch.profiler's from (name, start ms, duration ms) ranges: aten ops and the
+    scalelab:<phase> and ProfilerStep#<n> ranges on the training thread, gloo:<op> ranges on gloo's thread."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    events = [{"ph": "X", "name": name, "cat": "cpu_op" if name.startswith("aten::") else "user_annotation",
+               "ts": 1e3 * start, "dur": 1e3 * dur, "pid": 1, "tid": 2 if name.startswith("gloo:") else 1}
+              for name, start, dur in ranges]
+    path.write_text(json.dumps({"traceEvents": events}))
 '''
 
 LAB01 = '''
@@ -88,6 +100,13 @@ if EVENTS:
     for key, run in shares.items():
         fake_run(f"runs/lab01/{key}", losses=[1.4, 1.3, 1.2, 1.1, 1.0], batch=batch, step_s=0.04,
                  data_fraction=run["data"])
+        ranges, t = [], 0.0
+        for step in range(1, 4):  # each profiled step: its phases end to end
+            ranges.append((f"ProfilerStep#{step}", t, 40.0))
+            for phase, share in run.items():
+                ranges.append((f"scalelab:{phase}", t, 40 * share))
+                t += 40 * share
+        fake_trace(f"runs/lab01/{key}/traces/rank-0.json", ranges)
 '''
 
 LAB02 = '''
@@ -99,8 +118,9 @@ record("alpha_beta", {"latency_us": 90.0, "bandwidth_GBps": 0.5})
 record("by_hand", [{"rank": r, "world": 2, "grad_max_diff": 0.0, "param_max_diff": 0.0, "replica_max_diff": 0.0,
                     "losses": [1.3 + 0.1 * r, 1.2, 1.1]} for r in range(2)])
 P = 500_000
-record("buckets", {"world": 2, "parameters": P, "rows": [{"bucket_cap_mb": c, "buckets": b, "bytes_per_step": 4 * P}
-                                                          for c, b in ((0.1, 6), (0.5, 3), (25.0, 1))]})
+traces = {c: f"runs/lab02/bucket_traces/cap-{c}.json" for c in (0.1, 0.5, 25.0)}  # rank 0's at each cap
+record("buckets", {"world": 2, "parameters": P, "rows": [{"bucket_cap_mb": c, "buckets": b, "bytes_per_step": 4 * P,
+                                                          "trace": traces[c]} for c, b in ((0.1, 6), (0.5, 3), (25.0, 1))]})
 record("ring_bytes_per_rank", 2 * (2 - 1) / 2 * 4 * P)
 record("accumulation", {"k": 4, "calls_naive": 8, "calls_no_sync": 2, "grad_max_diff": 0.0})
 record("replicas", [{"rank": r, "ddp": {"max_diff_from_rank0": 0.0}, "no_averaging": {"max_diff_from_rank0": 0.01 * r}}
@@ -123,8 +143,23 @@ overlap = [{"bucket_cap_mb": c, "allreduces": 3 * b, "comm_ms": m, "hidden_ms": 
             "overlap": h / m} for c, b, m, h in caps]
 record("bucket_overlap", overlap)
 record("least_exposed_cap", 25.0)
+
+def ddp_trace(path, allreduces, comm_ms, hidden_ms, steps=3):
+    # each step: 10 ms of compute, then its all-reduces back to back, the first hidden_ms of them under the compute
+    ranges, t = [], 0.0
+    for step in range(1, steps + 1):
+        ranges += [(f"ProfilerStep#{step}", t, 10 + comm_ms), ("aten::addmm", t, 10.0)]
+        ranges += [("gloo:all_reduce", t + 10 - hidden_ms + k * comm_ms / allreduces, comm_ms / allreduces)
+                   for k in range(allreduces)]
+        t += 10 + comm_ms
+    fake_trace(path, ranges)
+
 if EVENTS:
     fake_run("runs/lab02/ddp-traced", world=2, losses=losses[:6], batch=batch, step_s=step_s)
+    for rank in range(2):
+        ddp_trace(f"runs/lab02/ddp-traced/traces/rank-{rank}.json", 2, 5.0, 0.2 * 5.0)
+    for c, b, m, h in caps:
+        ddp_trace(traces[c], b, m, h)
 '''
 
 LAB06 = '''
@@ -189,8 +224,20 @@ for strategy, launcher, step_s in (("ddp", "local", 0.010), ("horovod", "horovod
         fake_run(run_dir, world=2, losses=losses, batch=batch, step_s=step_s, strategy=strategy)
 record("engine_runs", runs)
 record("comparison", {"max_loss_diff": 0.0, "hvd_over_ddp": runs[1]["samples_per_s"] / runs[0]["samples_per_s"]})
-record("hvd_fusion", {"run_dir": runs[1]["run_dir"], "tensors": 13, "allreduces": 156, "fused_allreduces": 39,
-                      "tensors_per_fused": 4.0, "cycles": 1500, "negotiate_ms": 8.0, "fused_allreduce_ms": 3.0})
+fusion = {"run_dir": runs[1]["run_dir"], "tensors": 13, "allreduces": 156, "fused_allreduces": 39,
+          "tensors_per_fused": 4.0, "cycles": 1500, "negotiate_ms": 8.0, "fused_allreduce_ms": 3.0}
+record("hvd_fusion", fusion)
+if EVENTS:  # Horovod's timeline: a process per tensor; every 20 ms 4 tensors negotiate (8 ms), then reduce together
+    timeline = [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": f"allreduce.net.{p}.weight"}}
+                for p in range(fusion["tensors"])]
+    for k in range(fusion["allreduces"]):
+        t, p = 20e3 * (k // 4), k % fusion["tensors"]
+        timeline += [{"name": "NEGOTIATE_ALLREDUCE", "ph": "X", "pid": p, "tid": 1, "ts": t, "dur": 8e3},
+                     {"name": "ALLREDUCE", "ph": "X", "pid": p, "tid": 1, "ts": t + 10e3, "dur": 3e3}]
+    timeline += [{"name": "CYCLE_START", "ph": "i", "pid": 0, "tid": 0, "ts": 200.0 * c} for c in range(1500)]
+    path = Path(runs[1]["run_dir"]) / "traces" / "horovod-timeline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(timeline))
 '''
 
 LAB04 = '''
