@@ -30,6 +30,7 @@ def test_reference_numbers_tell_the_lab_story(reference):
     race = {x["label"]: x for x in r["race"]}
     assert race["sgd b32"]["reached"] and not race["sgd b512"]["reached"]  # the large batch stalls with SGD ...
     assert race["lars b512"]["final_accuracy"] > race["sgd b512"]["final_accuracy"]  # ... LARS adapts per layer
+    assert race["lamb b512"]["reached"] and r["best_large_batch"] is not None  # and a large batch gets there
     assert r["iteration_saving"] > 2  # K-FAC: far fewer steps
     mem = [x["eigen_bytes"] for x in r["kaisa"]["mem"]]
     assert max(mem) < r["kaisa"]["comm"][0]["eigen_bytes"]
