@@ -3,7 +3,8 @@
 The engine baseline and the two traced runs (before and after the fix) are what events and traces back: the
 grader re-reads each traced run's trace from the working copy (no link followed) and re-derives the phase shares.
 The rest (split, loader sweep, precisions, compile, profile, ladder) are measured in the notebook's own process and
-are held against each other and, loosely, against the evidenced baseline. Every check needs a real run
+are held against each other (the in-process rate is not held against the engine's: two means over a few dozen
+millisecond steps, taken seconds apart, differed 56-fold on a busy machine). Every check needs a real run
 (`needs_run`).
 """
 import json
@@ -40,15 +41,6 @@ def baseline_is_the_engine_run(r):
     found = evidence(r, r["baseline_run_dir"])
     assert found["world_size"] == 1, f"the baseline ran {found['world_size']} processes, not 1"
     close(found["samples_per_s"], r["baseline_samples_per_s"], what="baseline samples/s")
-
-
-@check(points=1, needs_run=True)
-def engine_and_process_agree(r):
-    """The engine's baseline (from its events) and the in-process measurement are within a factor 30 of each
-    other: two short measurements taken seconds apart on a shared machine can differ more than ten-fold (engine 90
-    vs in-process 1120 samples/s was seen at load 7); a forged number by far more."""
-    a, b = evidence(r, r["baseline_run_dir"])["samples_per_s"], r["inprocess_full_sps"]
-    assert 1 / 30 <= a / b <= 30, f"engine {a:.0f} vs in-process {b:.0f} samples/s"
 
 
 @check(points=2, needs_run=True)
