@@ -62,6 +62,9 @@ def test_sharded_async_save_copies_and_writes_nothing_on_the_callers_thread(gloo
     assert [d["step"] for d in done] == [1] and "update_wait_s" in done[0]
     assert read_manifest(tmp_path)[0]["kind"] == "sharded"
     fresh, fresh_opt = _trained()
+    with torch.no_grad():  # other weights than step 1's: the load must put them back
+        for p in fresh.parameters():
+            p.zero_()
     assert load_sharded(tmp_path / "step-00000001", fresh, fresh_opt) == 1
     assert all(torch.equal(fresh.state_dict()[k], w) for k, w in weights.items())  # the state of step 1, exactly
 

@@ -4,8 +4,9 @@ Random access (one positioned read per sample, `ShardDataset[i]`) keeps the exac
 but pays a call per sample. Streaming takes each shard whole — mapped from the page cache when the store can
 (`store.view`), else one sequential read into a reused buffer — and copies every sample once, straight to its
 shuffled place in a reused batch buffer; batches are views of that buffer. One copy per byte, as a plain
-read() makes, so a loader runs at the disk's (or the file system's) sequential bandwidth. The price is a weaker shuffle: shards are shuffled per epoch and samples only within a window of
-`window` shards, which is what WebDataset-style and FanStore-style loaders do at scale.
+read() makes, so a loader runs at the disk's (or the file system's) sequential bandwidth. The price is a weaker
+shuffle: shards are shuffled per epoch and samples only within a window of `window` shards, which is what
+WebDataset-style and FanStore-style loaders do at scale.
 
     stream = ShardStream(open_dataset("data/shards"), batch=256, rank=0, world=2, seed=0)
     stream.set_epoch(1)
@@ -109,7 +110,8 @@ class ShardStream:
             del sources
             whole = len(out) - len(out) % self.batch
             for k in range(0, whole, self.batch):
-                # the tracked array must be the very one the tensor holds (a view of a view names the buffer as its base)
+                # the tracked array must be the very one the tensor holds
+                # (a view of a view names the buffer as its base)
                 batch = self._pool.hand_out(out[k:k + self.batch].reshape(-1, *self.ds.shape))
                 yield torch.from_numpy(batch), torch.from_numpy(labels[k:k + self.batch])
             carry_x, carry_y = out[whole:].copy(), labels[whole:]  # copied out: the buffer is reused
@@ -145,7 +147,8 @@ class BatchBuffers:
         largest = max((b.shape[0] for b, _ in self._buffers), default=0)  # windows vary: converge on the largest
         buf, refs = np.empty((max(rows + spare, largest), features), dtype), []
         self.allocated += 1
-        self._buffers = (self._buffers + [(buf, refs)])[-self.keep:]  # a busy buffer dropped here lives on in its batches
+        # a busy buffer dropped from the pool here lives on in its batches
+        self._buffers = (self._buffers + [(buf, refs)])[-self.keep:]
         return self._track(refs, buf[:rows])
 
     def hand_out(self, view: np.ndarray) -> np.ndarray:

@@ -7,8 +7,8 @@ The per-rank JSONL events (`scalelab.run.events`) stay the one record of a run; 
 into the format TensorBoard reads, one TensorBoard "run" per rank, so the ranks' curves overlay. Exporting again
 replaces what an earlier export wrote (TensorBoard would otherwise show every point twice).
 
-In JupyterLab, the TensorBoard launcher tile (scalelab.hub.tensorboard_proxy) reads the student's home, so a run
-exported under ~/labs/... shows up there without further steps.
+In JupyterLab, the TensorBoard launcher tile (scalelab.hub.tensorboard_proxy) reads ~/labs (the home when there is
+none), so a run exported under ~/labs/... shows up there without further steps.
 """
 from __future__ import annotations
 
