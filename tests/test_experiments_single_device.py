@@ -80,3 +80,15 @@ def test_ladder_accumulates_changes_and_reports_speedup_and_gain(spec):
     for prev, row in zip(rows, rows[1:]):
         assert row["speedup"] == pytest.approx(row["samples_per_s"] / rows[0]["samples_per_s"])
         assert row["gain"] == pytest.approx(row["samples_per_s"] / prev["samples_per_s"])
+
+
+def test_the_loader_sweep_interleaves_its_rounds_and_keeps_each_counts_best(spec, monkeypatch):
+    # a burst of load lands on one measurement: the sweep must not let it decide the comparison
+    calls, rates = [], iter([100.0, 90.0, 100.0, 400.0, 100.0, 380.0])  # round 1: 4 workers slowed to 90
+    def fake(s, mode, steps, warmup, read_ms):
+        calls.append(s.data.loader_workers)
+        return {"samples_per_s": next(rates)}
+    monkeypatch.setattr(sd, "measure", fake)
+    rows = sd.loader_sweep(spec, workers=(0, 4), steps=3, read_ms=1, rounds=3)
+    assert calls == [0, 4, 0, 4, 0, 4]
+    assert rows == [{"workers": 0, "samples_per_s": 100.0}, {"workers": 4, "samples_per_s": 400.0}]
