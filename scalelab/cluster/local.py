@@ -107,6 +107,10 @@ class LocalCluster:
     def _running(self) -> dict[str, int | None]:
         return {d: self._pid(d) for d in DAEMONS}
 
+    def pids(self) -> dict[str, int | None]:
+        """The pid of each of our daemons (munged, slurmctld, slurmd); None for one that is not running."""
+        return self._running()
+
     def _healthy(self) -> bool:
         if not all(self._running().values()):
             return False
