@@ -92,3 +92,27 @@ def test_the_port_handler_replaces_batchspawners():
 
     routes = [h for h in apihandlers.default_handlers if h[0] == ROUTE]
     assert routes == [(ROUTE, PortReportHandler)]
+
+
+def test_the_server_imports_jupyterlab_without_starting_node(tmp_path):
+    # JupyterLab runs `node yarn.js config` when labapp is imported (a quarter of a server start's CPU); through the
+    # wrapper it must not, and the registry it gets is yarn's default. Audited in a fresh process, as in a job.
+    import subprocess
+    server = tmp_path / "fake-singleuser"
+    server.write_text(
+        "import sys, json\n"
+        "started = []\n"
+        "sys.addaudithook(lambda ev, args: started.append(str(args[0])) if ev == 'subprocess.Popen' else None)\n"
+        "import jupyterlab.labapp\n"
+        "from jupyterlab.commands import AppOptions, YARN_DEFAULT_REGISTRY\n"
+        "print(json.dumps({'started': started, 'registry': AppOptions().registry, 'default': YARN_DEFAULT_REGISTRY}))\n")
+    out = subprocess.run([sys.executable, "-m", "scalelab.hub.singleuser", "--no-report", str(server)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not [c for c in got["started"] if "node" in c], got["started"]
+    assert got["registry"] == got["default"]
+    # without the wrapper the same import does start node: the test sees what it claims to remove
+    plain = subprocess.run([sys.executable, str(server)], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert [c for c in json.loads(plain.stdout.strip().splitlines()[-1])["started"] if "node" in c]
