@@ -4,11 +4,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from scalelab.dist import RankInfo
+from scalelab.errors import SpecError
 from scalelab.launch import launch
 from scalelab.run.spec import preset
 from scalelab.train import strategies
@@ -40,6 +42,24 @@ def test_an_explicit_choice_is_kept_for_host_collectives_and_gpu_ones_never_spin
     assert _resolve("spin", ranks=4, cpus=2, monkeypatch=monkeypatch) == "spin"
     assert _resolve("spin", host=False, monkeypatch=monkeypatch) == "block"  # NCCL: the GPU finishes the op
     assert _resolve("auto", host=False, monkeypatch=monkeypatch) == "block"
+
+
+def test_a_spin_gives_up_after_spin_ms_and_stops_as_soon_as_the_wait_is_over():
+    start = time.perf_counter()
+    # comes true after 2 s: an unbounded spin would return True; a bounded one gives up after 50 ms
+    assert strategies.spin_until(lambda: time.perf_counter() > start + 2.0, 0.05) is False
+    assert 0.05 <= time.perf_counter() - start < 1.5
+    polls = iter([False, False, True])
+    start = time.perf_counter()
+    assert strategies.spin_until(lambda: next(polls), 60.0) is True
+    assert time.perf_counter() - start < 1.5
+
+
+def test_spin_ms_is_checked():
+    assert preset("tiny").with_overrides({"world.spin_ms": 0.0}).world.spin_ms == 0.0
+    for bad in (-1.0, 1e9, float("nan")):
+        with pytest.raises(SpecError, match="world.spin_ms"):
+            preset("tiny").with_overrides({"world.spin_ms": bad}).validate()
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity: Linux")

@@ -69,7 +69,7 @@ _OUT_OF_RANGE = {
     "data.read_mb_per_s": float("inf"),
     "strategy": "fsdp9", "backend": "nvlink", "device": "tpu", "world.workers_per_node": 0, "world.nodes": 0,
     "world.threads_per_worker": -1, "world.malloc": "tcmalloc",
-    "world.wait": "busy", "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
+    "world.wait": "busy", "world.spin_ms": -0.5, "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
     "optim.lr": 0.0, "optim.lr_scaling": "cubic", "optim.base_batch": 0, "optim.warmup_steps": -1,
     "optim.momentum": 1.0, "optim.weight_decay": -0.1, "optim.grad_accum": 0, "precision": "fp8",
     "optim.kfac_damping": 0.0, "optim.kfac_factor_every": 0, "optim.kfac_inv_every": 0, "optim.kfac_kl_clip": -1.0,

@@ -87,8 +87,13 @@ class WorldSpec:
     default: large blocks go back to the OS at each free and are faulted in again, page by page, next step)."""
     wait: str = "auto"
     """How a rank waits for its step's gradient allreduce on the host (DDP on gloo, Horovod on CPU): spin (stay
-    on the core, yielding, as MPI does), block (sleep until woken) or auto (spin when this node has a core for
-    every rank's threads). GPU collectives always block."""
+    on the core, yielding, as MPI does, for at most spin_ms, then block), block (sleep until woken) or auto (spin
+    when this node has a core for every rank's threads). GPU collectives always block."""
+    spin_ms: float = 0.5
+    """wait=spin (or auto resolved to spin): the longest a rank spins at its allreduce, in milliseconds, before it
+    blocks. A loopback allreduce of the course models completes in well under 1 ms once both ranks are there; a
+    longer wait means the peer is not running (more runnable threads than cores: another run, another user), and
+    spinning on would take the core it needs. 0 blocks at once; 1000 is the old unbounded spin."""
     max_restarts: int = 0
     """torchrun: how often the agent restarts the workers after one fails, each restart resuming from the newest
     checkpoint (elastic, c10d rendezvous; 0: a failure ends the run). horovodrun with strategy horovod: Horovod

@@ -107,6 +107,7 @@ RULES = {
     "world.threads_per_worker": (int, _int_at_least(0, 1024)),
     "world.malloc": (str, _choice(MALLOC_POLICIES)),
     "world.wait": (str, _choice(WAITS)),
+    "world.spin_ms": (float, _bounded_float(0.0, 1000.0)),
     "world.max_restarts": (int, _int_at_least(0, 100)),
     "world.min_workers": (int, _int_at_least(0, 1024)),
     "world.commit_every": (int, _int_at_least(1, 1_000_000)),

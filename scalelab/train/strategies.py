@@ -57,7 +57,9 @@ def resolve_wait(spec, info, host_collectives: bool) -> str:
     A blocked rank's core goes idle; on a VM the idle vCPU is halted and handed back to the host, and the
     rank then pays to be woken and to warm its caches again, every step. Spinning avoids that, and costs
     nothing when every rank thread has a core of its own; when ranks share cores it would take CPU from the
-    rank being waited for, so auto blocks then. NCCL collectives finish on the GPU: no spinning there.
+    rank being waited for, so auto blocks then. Others' threads (another run, another user) can take the cores
+    after this choice, so a spin is bounded by world.spin_ms (see spin_until). NCCL collectives finish on the
+    GPU: no spinning there.
     """
     if not host_collectives:
         return "block"
@@ -142,6 +144,22 @@ def _apply(optimizer, scaler) -> None:
         scaler.update()
 
 
+def spin_until(done, budget_s: float) -> bool:
+    """Poll `done()` on the core, yielding between polls, for at most `budget_s` seconds; True once it held.
+
+    The bound matters where threads outnumber cores: sched_yield only hands the core to threads of this process's
+    own scheduling group (each rank leads its own session, hence its own autogroup), so an unbounded spin kept the
+    core from the very peer it waited for. Measured on the shared 2-core VM (2 DDP ranks, the bench CNN, waits
+    alternated step by step within one run, 6 runs): unbounded spin 91.8 ms per step, 0.5 ms bound 90.9, block 90.4;
+    with another run's ranks on the same cores an unbounded spin lost up to 3x."""
+    deadline = time.perf_counter() + budget_s
+    while not done():
+        if time.perf_counter() >= deadline:
+            return False
+        os.sched_yield()
+    return True
+
+
 def _timed_allreduce_hook(state: DDPStrategy, bucket):
     # Same arithmetic as DDP's default hook (sum, then divide by world size); the callback runs when the
     # bucket's allreduce completes, so the measured time includes queueing behind earlier buckets.
@@ -149,10 +167,10 @@ def _timed_allreduce_hook(state: DDPStrategy, bucket):
     tensor = bucket.buffer().div_(state.info.world_size)
     work = dist.all_reduce(tensor, async_op=True)
     if state.wait == "spin" and bucket.is_last():
-        # Backward is over: nothing is left to overlap, so wait here, on the core (see resolve_wait). The
-        # future below is then complete, and `done` runs at once (and raises what a failed allreduce raised).
-        while not work.is_completed():
-            os.sched_yield()
+        # Backward is over: nothing is left to overlap, so wait here, on the core (see resolve_wait), for at most
+        # world.spin_ms. The future below is then complete, and `done` runs at once (and raises what a failed
+        # allreduce raised); past the bound, DDP blocks on the future as with wait=block.
+        spin_until(work.is_completed, state.spec.world.spin_ms / 1000)
     fut = work.get_future()
 
     def done(f):
@@ -213,16 +231,18 @@ class HorovodStrategy:
             _apply(optimizer, scaler)
 
     def _spin_until_reduced(self, optimizer) -> None:
-        """Wait on the core for the allreduces backward started; synchronize() then finds them done.
+        """Wait on the core, for at most world.spin_ms in all, for the allreduces backward started;
+        synchronize() then finds them done (past the bound, it waits for the rest as with wait=block).
 
         The handles are the DistributedOptimizer's own (`_handles`, Horovod 0.28); a tensor whose hook has
         not fired yet has none, and synchronize() starts and waits for it as usual.
         """
+        deadline = time.perf_counter() + self.spec.world.spin_ms / 1000
         for handle, _ in list(getattr(optimizer, "_handles", {}).values()):
             if handle is None or callable(handle):
                 continue
-            while not self.hvd.poll(handle):
-                os.sched_yield()
+            if not spin_until(lambda: self.hvd.poll(handle), max(deadline - time.perf_counter(), 0.0)):
+                return
 
     def take_comm_time(self) -> float:
         """Seconds this rank waited for gradient allreduces since the last call."""
