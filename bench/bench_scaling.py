@@ -5,7 +5,8 @@
 
 Each rank gets one intra-op thread (threads_per_worker=1), so 2 workers on 2 cores is weak scaling by cores:
 ideal is 2x the 1-worker throughput. Efficiency = samples/s(2) / (2 x samples/s(1)); the Horovod/DDP ratio
-compares the 2-worker throughputs. Targets on a 2-core CPU machine: efficiency >= 0.90, Horovod/DDP >= 0.95.
+compares the 2-worker throughputs. Targets on a 2-core CPU machine (issue 22): DDP efficiency >= 0.95 and within
+0.03 of the machine ceiling below, Horovod/DDP >= 1.0. The load average before and after goes into the JSON.
 
 A small cloud VM drifts by +-20 % from one minute to the next, far more than the effect measured. So the
 configurations run interleaved: each repeat runs all of them back to back (in a rotated order), the ratios are
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     names = list(configs) + ["independent_2"]
     runs = {n: [] for n in names}
     per_repeat = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             order = names[i % len(names):] + names[:i % len(names)]
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "weak scaling, 1 vs 2 workers, 1 thread per worker, interleaved repeats",
         "command": "python bench/bench_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": args.steps, "batch_per_worker": args.batch,
         "horovod_launcher": args.horovod_launcher,
         "overrides": args.changes,
@@ -131,9 +134,11 @@ def main(argv=None) -> int:
         **med,
         "quartiles": spread,
         "per_repeat": per_repeat,
-        "targets": {"efficiency": 0.90, "horovod_over_ddp": 0.95},
-        "met": {"efficiency_ddp": med["efficiency_ddp"] >= 0.90, "efficiency_horovod": med["efficiency_horovod"] >= 0.90,
-                "horovod_over_ddp": med["horovod_over_ddp"] >= 0.95},
+        "engine_fields": {"world.spin_ms": world.spin_ms},
+        "targets": {"efficiency_ddp": 0.95, "ddp_below_ceiling_at_most": 0.03, "horovod_over_ddp": 1.0},
+        "met": {"efficiency_ddp": med["efficiency_ddp"] >= 0.95,
+                "ddp_within_ceiling": med["machine_ceiling"] - med["efficiency_ddp"] <= 0.03,
+                "horovod_over_ddp": med["horovod_over_ddp"] >= 1.0},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
