@@ -89,11 +89,11 @@ class WorldSpec:
     """How a rank waits for its step's gradient allreduce on the host (DDP on gloo, Horovod on CPU): spin (stay
     on the core, yielding, as MPI does, for at most spin_ms, then block), block (sleep until woken) or auto (spin
     when this node has a core for every rank's threads). GPU collectives always block."""
-    spin_ms: float = 0.5
+    spin_ms: float = 1000.0
     """wait=spin (or auto resolved to spin): the longest a rank spins at its allreduce, in milliseconds, before it
-    blocks. A loopback allreduce of the course models completes in well under 1 ms once both ranks are there; a
-    longer wait means the peer is not running (more runnable threads than cores: another run, another user), and
-    spinning on would take the core it needs. 0 blocks at once; 1000 is the old unbounded spin."""
+    blocks. A long wait means the peer is off the cores (another run or user shares them) and spinning on keeps it
+    off; a short bound (0.5) measured worse than both an unbounded spin and block in whole runs on a shared 2-core
+    VM, so the default only caps a stall (1 s). 0 blocks at once."""
     max_restarts: int = 0
     """torchrun: how often the agent restarts the workers after one fails, each restart resuming from the newest
     checkpoint (elastic, c10d rendezvous; 0: a failure ends the run). horovodrun with strategy horovod: Horovod

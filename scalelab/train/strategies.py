@@ -149,9 +149,10 @@ def spin_until(done, budget_s: float) -> bool:
 
     The bound matters where threads outnumber cores: sched_yield only hands the core to threads of this process's
     own scheduling group (each rank leads its own session, hence its own autogroup), so an unbounded spin kept the
-    core from the very peer it waited for. Measured on the shared 2-core VM (2 DDP ranks, the bench CNN, waits
-    alternated step by step within one run, 6 runs): unbounded spin 91.8 ms per step, 0.5 ms bound 90.9, block 90.4;
-    with another run's ranks on the same cores an unbounded spin lost up to 3x."""
+    core from the very peer it waited for. Measured on the shared 2-core VM (2 DDP ranks, the bench CNN, load
+    1.6-2.3): alternating waits step by step within a run, a 0.5 ms bound sat between block and an unbounded spin
+    (90.9 against 90.4 and 91.8 ms/step); whole runs, interleaved, put it below both (efficiency 0.86 against 0.92
+    unbounded), so world.spin_ms defaults to 1 s: a cap on a stall, not a tuning."""
     deadline = time.perf_counter() + budget_s
     while not done():
         if time.perf_counter() >= deadline:
