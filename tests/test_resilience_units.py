@@ -75,3 +75,37 @@ def test_fault_timeline_draws_headless(tmp_path):
     assert Path(path).read_bytes()[:4] == b"\x89PNG"
     rows = m.timeline_rows(_events("restart"))
     assert rows[1]["fault"] == [0.25] and rows[0]["start"] == [0.0, 5.0]
+
+
+def test_survivors_stop_waiting_for_a_peer_that_dies_while_they_agree(tmp_path):
+    # The peer's death broke the collective while its process was still exiting: at detection it looked alive.
+    # The leader asks again at each poll, so it writes the member list as soon as the peer is gone, not after the
+    # whole JOIN_S (10 s) it leaves a live but silent (hung) peer.
+    import threading
+    import time
+    from scalelab.train import forward
+    (tmp_path / "joined-0").write_text("1")
+    dead = threading.Event()
+    threading.Timer(0.3, dead.set).start()
+    t0 = time.monotonic()
+    members = forward._agree(tmp_path, 0, lambda: [0] if dead.is_set() else [0, 1])
+    took = time.monotonic() - t0
+    assert members == [0]
+    assert took < forward.JOIN_S / 2, f"waited {took:.1f} s for a dead peer"
+    # a live peer that announces itself is waited for and joins
+    gen = tmp_path / "gen-2"
+    gen.mkdir()
+    (gen / "joined-0").write_text("1")
+    threading.Timer(0.3, lambda: (gen / "joined-1").write_text("2")).start()
+    assert forward._agree(gen, 0, lambda: [0, 1]) == [0, 1]
+
+
+def test_a_rank_counts_as_alive_only_while_its_process_runs():
+    import os
+    import subprocess
+    import sys
+    from scalelab.train import forward
+    assert forward._pid_alive(os.getpid()) and not forward._pid_alive(None)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert not forward._pid_alive(child.pid)

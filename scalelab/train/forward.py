@@ -136,7 +136,11 @@ class ForwardRecoveryDDP(DDPStrategy):
         gen_dir.mkdir(parents=True, exist_ok=True)
         me = self.info.rank
         (gen_dir / f"joined-{me}").write_text(str(os.getpid()))
-        members = _agree(gen_dir, me, [r for r in self.members if r == me or _alive(self.run_dir, r)])
+        pids = _start_pids(self.run_dir)
+        # Asked again at each poll: a peer whose death broke the collective may still be exiting when this rank
+        # notices (its sockets close before its process is gone); counted once, it made the survivors wait the whole
+        # JOIN_S for a rank that was already dead (CI: forward recovery 10.06 s against 0.03 s).
+        members = _agree(gen_dir, me, lambda: [r for r in self.members if r == me or _pid_alive(pids.get(r))])
         if me not in members:
             raise RuntimeError(f"rank {me} was left out of the re-formed group {members} (it announced itself late)")
         lost = [r for r in self.members if r not in members]
@@ -153,15 +157,19 @@ class ForwardRecoveryDDP(DDPStrategy):
                           error=str(error).splitlines()[0][:200])
 
 
-def _alive(run_dir: Path, rank: int) -> bool:
-    """Whether `rank`'s latest process (from its start event) still runs on this machine."""
+def _start_pids(run_dir: Path) -> dict[int, int]:
+    """{rank: the pid of its latest process}, from the ranks' start events."""
+    return {e["rank"]: e["pid"] for e in EventReader(run_dir).poll() if e["type"] == "start"}
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """Whether process `pid` still runs on this machine (a zombie does not)."""
     from ..run.procs import alive
     import psutil
-    starts = [e for e in EventReader(run_dir).poll() if e["type"] == "start" and e["rank"] == rank]
-    if not starts:
+    if pid is None:
         return False
     try:
-        return alive(psutil.Process(starts[-1]["pid"]))
+        return alive(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
@@ -169,23 +177,23 @@ def _alive(run_dir: Path, rank: int) -> bool:
 def _fence(run_dir: Path, lost: list[int]) -> None:
     """SIGKILL left-behind ranks that still run (a hung rank): it must not wake up and rejoin, nor outlive the run."""
     import signal
+    pids = _start_pids(run_dir)
     for rank in lost:
-        starts = [e for e in EventReader(run_dir).poll() if e["type"] == "start" and e["rank"] == rank]
-        if starts and _alive(run_dir, rank):
+        if _pid_alive(pids.get(rank)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(starts[-1]["pid"], signal.SIGKILL)
+                os.kill(pids[rank], signal.SIGKILL)
 
 
-def _agree(gen_dir: Path, me: int, expected: list[int]) -> list[int]:
-    """The member list of this generation: the lowest announced rank writes it once the expected peers have
-    announced themselves (or JOIN_S passed); the others read it."""
+def _agree(gen_dir: Path, me: int, expected) -> list[int]:
+    """The member list of this generation: the lowest announced rank writes it once the peers `expected()` names
+    (asked at each poll: those still alive) have announced themselves, or JOIN_S passed; the others read it."""
     listing = gen_dir / "members.json"
     deadline = time.monotonic() + JOIN_S
     while time.monotonic() < deadline + JOIN_S:
         if listing.exists():
             return json.loads(listing.read_text())
         joined = sorted(int(p.name.split("-")[1]) for p in gen_dir.glob("joined-*"))
-        if joined and joined[0] == me and (set(expected) <= set(joined) or time.monotonic() > deadline):
+        if joined and joined[0] == me and (time.monotonic() > deadline or set(expected()) <= set(joined)):
             tmp = gen_dir / f"members.{me}.tmp"
             tmp.write_text(json.dumps(joined))
             os.replace(tmp, listing)
