@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": f"hub spawn→ready on the local {args.nodes}-node Slurm (scalelab hub, slurm mode, REST API; "
                      "each client waits on the progress event stream, as the spawn page does)",
         "command": "python bench/bench_spawn.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "slurm_nodes": args.nodes, "python": platform.python_version(), "load_avg_at_start": load_start,
-                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {"cpus": os.cpu_count(), "slurm_nodes": args.nodes, "python": platform.python_version(),
+                    "load_avg_at_start": load_start, "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "hub": {"poll_min_s": 0.5, "poll_max_s": 5.0, "wrapper": "python -m scalelab.hub.singleuser"},
         "sequential": {**s_seq, "phases_median": seq_phases},
         "concurrent": {**s_conc, "requested": args.concurrent, "succeeded": len(conc),
