@@ -146,7 +146,7 @@ class ForwardRecoveryDDP(DDPStrategy):
         lost = [r for r in self.members if r not in members]
         self.members = members
         if members[0] == me:
-            _fence(self.run_dir, lost)
+            _fence(pids, lost)
         if self.world > 1:
             dist.init_process_group("gloo", init_method=f"file://{gen_dir / 'store'}", rank=members.index(me),
                                     world_size=self.world, timeout=timedelta(seconds=self.spec.fault.detect_timeout_s))
@@ -174,10 +174,10 @@ def _pid_alive(pid: int | None) -> bool:
         return False
 
 
-def _fence(run_dir: Path, lost: list[int]) -> None:
-    """SIGKILL left-behind ranks that still run (a hung rank): it must not wake up and rejoin, nor outlive the run."""
+def _fence(pids: dict[int, int], lost: list[int]) -> None:
+    """SIGKILL left-behind ranks that still run (a hung rank): it must not wake up and rejoin, nor outlive the run.
+    `pids` are the ranks' start pids as `_reform` read them."""
     import signal
-    pids = _start_pids(run_dir)
     for rank in lost:
         if _pid_alive(pids.get(rank)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
