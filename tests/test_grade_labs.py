@@ -2,11 +2,16 @@
 
 Parametrized over `labs/*/lab.ipynb` at collection time, so a new lab is picked up without touching this file.
 The grading runs are `slow` (each executes the lab twice, in the sandbox, with the lab's grading parameters).
+They run two labs at a time, each lab's batch the other's load (as two instructors grading at once), and the
+fixture batch grades beside a lab whenever no second lab is in flight, so every lab is graded under load and no
+CPU is spent on load alone (the suite's measured CPU floor is what bounds `make test` on 2 cores).
 """
 from __future__ import annotations
 
 import shutil
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,10 +29,14 @@ FIXTURE = ROOT / "tests" / "fixtures" / "grading"
 
 class OtherBatch:
     """Another grading batch running beside the one under test, over and over until stopped: the load a grader
-    sees when two instructors grade at once (it keeps a kernel and a notebook busy on this machine)."""
+    sees when two instructors grade at once (it keeps a kernel and a notebook busy on this machine). With `needed`,
+    a round starts only while needed() says so (the lab gradings below run it only while one lab is in flight);
+    `rounds_at` keeps each round's (start, end) monotonic times."""
 
-    def __init__(self, out: Path):
-        self.out, self.stop, self.rounds, self.errors = out, threading.Event(), 0, []
+    def __init__(self, out: Path, needed=lambda: True):
+        self.out, self.needed, self.stop, self.rounds, self.errors = out, needed, threading.Event(), 0, []
+        self.rounds_at: list[tuple[float, float]] = []
+        self.round_started: float | None = None  # the running round's start
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self):
@@ -36,6 +45,10 @@ class OtherBatch:
         for name in ("busy_a", "busy_b"):
             shutil.copyfile(FIXTURE / "submissions" / "correct.ipynb", subs / f"{name}.ipynb")
         while not self.stop.is_set():
+            if not self.needed():
+                self.stop.wait(0.2)
+                continue
+            self.round_started = t0 = time.monotonic()
             try:
                 batch = grade(FIXTURE / "labs" / "90_fixture", sorted(subs.glob("*.ipynb")),
                               self.out / f"round{self.rounds}", GradeOptions(jobs=1))
@@ -44,6 +57,8 @@ class OtherBatch:
                 import traceback
                 self.errors.append(traceback.format_exc())
                 return
+            self.rounds_at.append((t0, time.monotonic()))
+            self.round_started = None
             self.rounds += 1
 
     def __enter__(self):
@@ -55,37 +70,70 @@ class OtherBatch:
         self.thread.join(timeout=300)
 
 
-def _why(result) -> str:
-    failing = [f"{c.name} ({'hidden' if c.hidden else 'public'}): {c.outcome}: {c.message}"
-               for c in result.checks if c.outcome != "pass"]
-    return f"{result.student}: {result.status}: {result.message}\n" + "\n".join(failing)
+class LabGradings:
+    """The selected labs' grading batches, two in flight at a time: asking for a lab's result starts it (if it is
+    not running yet) and the next selected lab beside it, so each lab's batch is the other's load; while only one
+    is in flight, the fixture batch (OtherBatch) grades beside it. Each lab's start and end are kept, to show it
+    was graded under load the whole time."""
+
+    def __init__(self, labs: list[Path], tmp: Path):
+        self.labs, self.tmp, self.lock = labs, tmp, threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grade-lab")
+        self.futures, self.starts, self.ends = {}, {}, {}
+        self.other = OtherBatch(tmp / "other", needed=lambda: self.active < 2)
+
+    @property
+    def active(self) -> int:
+        return len(self.starts) - len(self.ends)
+
+    def _grade(self, lab: Path):
+        with self.lock:
+            self.starts[lab.name] = time.monotonic()
+        try:
+            return _grade_lab(lab, self.tmp / lab.name)
+        finally:
+            with self.lock:
+                self.ends[lab.name] = time.monotonic()
+
+    def _start(self, lab: Path):
+        with self.lock:
+            if lab.name not in self.futures:
+                self.futures[lab.name] = self.pool.submit(self._grade, lab)
+
+    def result(self, lab: Path):
+        self._start(lab)
+        later = self.labs[self.labs.index(lab) + 1:] if lab in self.labs else []
+        if later:
+            self._start(later[0])
+        return self.futures[lab.name].result()
+
+    def load_share(self, lab: Path) -> float:
+        """The share of the lab's grading during which another lab's batch or a fixture round was running."""
+        now = time.monotonic()
+        t0, t1 = self.starts[lab.name], self.ends[lab.name]
+        with self.lock:
+            others = [(start, self.ends.get(name, now)) for name, start in self.starts.items() if name != lab.name]
+        others += self.other.rounds_at + ([(self.other.round_started, now)] if self.other.round_started else [])
+        covered, cursor = 0.0, t0
+        for a, b in sorted((max(a, t0), min(b, t1)) for a, b in others if b > t0 and a < t1):
+            if b > cursor:
+                covered += b - max(a, cursor)
+                cursor = b
+        return covered / max(t1 - t0, 1e-9)
+
+    def __enter__(self):
+        self.other.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.other.__exit__(*exc)
 
 
-@labs
-def test_lab_releases_cleanly_and_has_its_grading_files(lab, tmp_path):
-    settings = load_lab(lab)  # lab.yaml valid
-    assert (lab / "checks.py").exists(), f"{lab.name} has no checks.py (public checks for SelfCheck)"
-    report = release_lab(lab, tmp_path / lab.name)
-    assert report.exercises >= 1, f"{lab.name}: no '# BEGIN SOLUTION' block, so the student copy is the solution"
-    assert not (tmp_path / lab.name / "hidden_checks.py").exists()
-    assert settings.grading.total_timeout_s >= settings.grading.cell_timeout_s
-    import json
-    code = ["".join(c["source"]) for c in json.loads((lab / "lab.ipynb").read_text())["cells"]
-            if c["cell_type"] == "code"]
-    assert any("SelfCheck(" in src and ".check()" in src for src in code), \
-        f"{lab.name} needs a SelfCheck cell near its end (students check their work; papermill shows the result)"
-    from scalelab.course.lab import parameter_defaults
-    known = set(parameter_defaults(lab / "lab.ipynb"))
-    for name in ("ci", "laptop", *settings.profiles):
-        unknown = set(settings.profile(name)) - known
-        assert not unknown, f"{lab.name}: profile {name!r} sets {sorted(unknown)}, which the parameters cell lacks"
-
-
-@pytest.mark.slow
-@labs
-def test_reference_grades_full_marks_and_student_copy_does_not(lab, tmp_path):
-    # Both as submitted folders: the reference with its solved modules, the student copy as released.
-    subs = tmp_path / "submissions"
+def _grade_lab(lab: Path, tmp: Path):
+    """The reference (with its solved modules), the released student copy and, where the lab has one, a legacy
+    submission, as submitted folders, graded in one batch at -j 2. Returns (batch, out dir)."""
+    subs = tmp / "submissions"
     (subs / "reference").mkdir(parents=True)
     for rel in student_files(lab):
         (subs / "reference" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -96,23 +144,43 @@ def test_reference_grades_full_marks_and_student_copy_does_not(lab, tmp_path):
     if legacy.is_dir():  # handed in from a copy released before the modules moved: it must grade the same
         shutil.copytree(legacy, subs / "made_before_the_move")
         names.append("made_before_the_move")
-    # Under load, as a busy grading day has it: -j 2, while another batch grades beside it. Labs that measure
-    # speed-ups must still give an honest reference full marks (their checks compare within one run).
-    with OtherBatch(tmp_path / "other") as other:
-        # continue_on_error=False: the notebook goes on only where the student copy's tags let Run All go on
-        batch = grade(lab, [subs / n for n in names], tmp_path / "out", GradeOptions(jobs=2, continue_on_error=False))
-    assert other.errors == [] and other.rounds + other.thread.is_alive() >= 1, other.errors
+    # continue_on_error=False: the notebook goes on only where the student copy's tags let Run All go on
+    options = GradeOptions(jobs=2, continue_on_error=False)
+    return grade(lab, [subs / n for n in names], tmp / "out", options), tmp / "out"
+
+
+GRADED = "test_reference_grades_full_marks_and_student_copy_does_not"
+
+
+@pytest.fixture(scope="module")
+def gradings(request, tmp_path_factory):
+    selected = [item.callspec.params["lab"] for item in request.session.items
+                if getattr(item, "originalname", "") == GRADED]
+    with LabGradings(selected, tmp_path_factory.mktemp("gradings")) as g:
+        yield g
+
+
+@pytest.mark.slow
+@labs
+def test_reference_grades_full_marks_and_student_copy_does_not(lab, gradings):
+    # Under load, as a busy grading day has it: -j 2, while another batch grades beside it (the next lab's, or
+    # the fixture's). Labs that measure speed-ups must still give an honest reference full marks (their checks
+    # compare within one run).
+    batch, out = gradings.result(lab)
+    assert gradings.other.errors == [], gradings.other.errors
+    assert gradings.load_share(lab) >= 0.8, \
+        f"{lab.name} was graded beside another batch for only {gradings.load_share(lab):.0%} of its time"
     by = {r.student: r for r in batch.results}
     assert by["reference"].max_score > 0, f"{lab.name} has no checks with points"
     assert by["reference"].percent == 100, _why(by["reference"])
     assert by["student_copy"].percent < 100, _why(by["student_copy"])
     # Run All on a fresh student copy goes past every unsolved exercise to the lab's last cell, the SelfCheck
     import json
-    cells = json.loads((tmp_path / "out" / by["student_copy"].notebook).read_text())["cells"]
+    cells = json.loads((out / by["student_copy"].notebook).read_text())["cells"]
     [check] = [c for c in cells if "self-check" in c.get("metadata", {}).get("tags", [])]
     assert check.get("execution_count") and not any(o.get("output_type") == "error" for o in check["outputs"]), \
         f"{lab.name}: Run All of the student copy did not reach and run the SelfCheck cell"
-    if legacy.is_dir():
+    if (LEGACY / lab.name).is_dir():
         assert by["made_before_the_move"].percent == 100, _why(by["made_before_the_move"])
 
 
