@@ -61,7 +61,7 @@ def timed_spawn(user, timeout: float = 180) -> float:
     r = user.spawn(options={"profile": "bench"})
     if r.status_code not in (201, 202):
         raise RuntimeError(f"spawn refused: {r.status_code} {r.text}")
-    user.wait_ready_streamed(timeout=timeout)  # as a browser's spawn page waits: one event stream, no polling
+    user.wait_ready(timeout=timeout)  # as a browser's spawn page waits: one event stream, no polling
     return time.monotonic() - t0
 
 

@@ -73,7 +73,7 @@ def test_rest_spawn_runs_a_job_with_the_profile_then_stop_removes_it(hub, slurm_
 def test_named_server_is_its_own_job(hub):
     bob = hub.login("bob")
     assert bob.spawn("exp-1", {"profile": "cpu-2h"}).status_code in (201, 202)
-    bob.wait_ready_streamed("exp-1", timeout=60)  # as the spawn page waits: the progress stream ends "ready"
+    bob.wait_ready("exp-1", timeout=60)  # as the spawn page waits: the progress stream ends "ready"
     assert bob.server_model("exp-1")["ready"]
     assert [j["name"] for j in hub.jobs() if bob.name in j["name"]] == [f"jupyter-{bob.name}-exp-1"]
     assert bob.get(f"/user/{bob.name}/exp-1/api/status").status_code == 200

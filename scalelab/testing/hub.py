@@ -106,24 +106,11 @@ class HubUser:
             requests.delete(f"{self.hub.url}{base}/{kernel}", headers=auth, timeout=30)
 
     def wait_ready(self, server: str = "", timeout: float = 120) -> float:
-        """Seconds until the server is ready; HubError if the spawn fails or takes longer than `timeout`."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            s = self.server_model(server)
-            if s and s.get("ready"):
-                return time.monotonic() - t0
-            if s is None:
-                raise HubError(f"{self.name}'s server {server!r} is gone (spawn failed?): "
-                               f"{self.last_progress(server)}\n{self.hub.log_tail()}")
-            time.sleep(0.1)
-        raise HubError(f"{self.name}'s server {server!r} not ready in {timeout} s\n{self.hub.log_tail()}")
-
-    def wait_ready_streamed(self, server: str = "", timeout: float = 120) -> float:
         """Seconds until the server is ready, waited for as the browser's spawn page waits: on the hub's progress
-        event stream (one long request), not by asking for the user model ten times a second — which, done by 30
+        event stream (one long request), not by asking for the user model ten times a second, which, done by 30
         students at once, is 300 API requests a second that keep the hub's one core busy (bench_spawn measured the
         hub at 58 CPU-s in a 30-spawn rush that way, 3.6 with the stream). HubError if the spawn fails, the stream
-        ends without a ready event, or `timeout` passes."""
+        ends without a ready event (no spawn pending: the hub answers 400), or `timeout` passes."""
         t0, last = time.monotonic(), None
         for last in self.progress(server, timeout=timeout):
             if last.get("ready"):
@@ -133,7 +120,7 @@ class HubUser:
             if time.monotonic() - t0 > timeout:
                 break
         raise HubError(f"{self.name}'s server {server!r} not ready after {time.monotonic() - t0:.0f} s (last "
-                       f"progress event: {last})\n{self.hub.log_tail()}")
+                       f"progress event: {last}; server model: {self.server_model(server)})\n{self.hub.log_tail()}")
 
     def wait_gone(self, server: str = "", timeout: float = 60) -> float:
         """Seconds until the hub lists the server no more."""
