@@ -13,13 +13,15 @@ Two forgeries per lab, made from the reference notebook by replacing its code ce
   events rejects them (traces carry no such check: only the events' timing gives the forger away).
 
 Each real lab (01-06) is graded once (module-scoped, -j 2, the lab's small grading parameters) with its released
-student copy and both forgeries. The student copy stops at its first exercise; its score is the bar.
+student copy and both forgeries, the next lab's batch beside it. The student copy stops at its first exercise; its
+score is the bar.
 """
 from __future__ import annotations
 
 import copy
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -349,20 +351,42 @@ def forged_records(lab: Path) -> dict:
     return records
 
 
-@pytest.fixture(scope="module", params=sorted(FORGERIES))
-def graded(request, tmp_path_factory):
+def _grade_forgeries(name: str, tmp: Path):
     """One lab graded (-j 2, its grading parameters): student copy, forged records, forged records and events."""
-    lab = ROOT / "labs" / request.param
-    tmp = tmp_path_factory.mktemp(request.param)
+    lab = ROOT / "labs" / name
     subs = tmp / "submissions"
     release_lab(lab, subs / "student_copy")
-    for name, events in (("forged_records", False), ("forged_events", True)):
-        (subs / f"{name}.ipynb").write_text(json.dumps(forged_notebook(lab, events)))
+    for kind, events in (("forged_records", False), ("forged_events", True)):
+        (subs / f"{kind}.ipynb").write_text(json.dumps(forged_notebook(lab, events)))
     start = time.monotonic()
     batch = grade(lab, [subs / "student_copy", subs / "forged_records.ipynb", subs / "forged_events.ipynb"],
                   tmp / "out", GradeOptions(jobs=2))
     print(f"{lab.name}: graded 3 submissions in {time.monotonic() - start:.0f} s")
     return lab, {r.student: r for r in batch.results}
+
+
+@pytest.fixture(scope="module")
+def batches(request, tmp_path_factory):
+    """The selected labs' batches, two in flight: asking for a lab's starts it (if not yet) and the next selected
+    lab's beside it. A batch of a student copy that stops early and two notebooks that run nothing waits on
+    kernel start-ups much of its time (the module kept the cores 64 % busy one lab at a time)."""
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
+              if item.module is request.module]
+    selected = sorted({p["graded"] for p in params if "graded" in p})
+    futures = {}
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="forgery") as pool:
+        def get(name: str):
+            later = selected[selected.index(name) + 1:] if name in selected else []
+            for n in (name, *later[:1]):
+                if n not in futures:
+                    futures[n] = pool.submit(_grade_forgeries, n, tmp_path_factory.mktemp(n))
+            return futures[name].result()
+        yield get
+
+
+@pytest.fixture(scope="module", params=sorted(FORGERIES))
+def graded(request, batches):
+    return batches(request.param)
 
 
 def _points(result) -> str:
