@@ -130,6 +130,32 @@ class LabGradings:
         self.other.__exit__(*exc)
 
 
+def _why(result) -> str:
+    failing = [f"{c.name} ({'hidden' if c.hidden else 'public'}): {c.outcome}: {c.message}"
+               for c in result.checks if c.outcome != "pass"]
+    return f"{result.student}: {result.status}: {result.message}\n" + "\n".join(failing)
+
+
+@labs
+def test_lab_releases_cleanly_and_has_its_grading_files(lab, tmp_path):
+    settings = load_lab(lab)  # lab.yaml valid
+    assert (lab / "checks.py").exists(), f"{lab.name} has no checks.py (public checks for SelfCheck)"
+    report = release_lab(lab, tmp_path / lab.name)
+    assert report.exercises >= 1, f"{lab.name}: no '# BEGIN SOLUTION' block, so the student copy is the solution"
+    assert not (tmp_path / lab.name / "hidden_checks.py").exists()
+    assert settings.grading.total_timeout_s >= settings.grading.cell_timeout_s
+    import json
+    code = ["".join(c["source"]) for c in json.loads((lab / "lab.ipynb").read_text())["cells"]
+            if c["cell_type"] == "code"]
+    assert any("SelfCheck(" in src and ".check()" in src for src in code), \
+        f"{lab.name} needs a SelfCheck cell near its end (students check their work; papermill shows the result)"
+    from scalelab.course.lab import parameter_defaults
+    known = set(parameter_defaults(lab / "lab.ipynb"))
+    for name in ("ci", "laptop", *settings.profiles):
+        unknown = set(settings.profile(name)) - known
+        assert not unknown, f"{lab.name}: profile {name!r} sets {sorted(unknown)}, which the parameters cell lacks"
+
+
 def _grade_lab(lab: Path, tmp: Path):
     """The reference (with its solved modules), the released student copy and, where the lab has one, a legacy
     submission, as submitted folders, graded in one batch at -j 2. Returns (batch, out dir)."""
