@@ -20,8 +20,12 @@ from scalelab.train.profiling import PHASES, horovod_timeline_path, trace_path
 from helpers import tiny
 
 # an mlp of about 0.65 M parameters (2.6 MB of gradients): DDP's first bucket holds 1 MB, so every step sends at
-# least two bucket all-reduces, the first while backward is still computing the earlier layers' gradients
-PROFILED = {"model.name": "mlp", "model.width": 512, "model.depth": 3, "data.samples": 256, "steps": 5,
+# least two bucket all-reduces, the first while backward is still computing the earlier layers' gradients. 128
+# samples per rank give that remaining backward a few ms of matmuls: at 16 a loaded 2-core machine could run the
+# whole first all-reduce while the training thread waited for a core inside the call that issued it (overlap 0.0
+# on a rank in one CI; 0.03-0.12 under two busy loops, against 0.11-0.54 at 128)
+PROFILED = {"model.name": "mlp", "model.width": 512, "model.depth": 3, "optim.batch_per_worker": 128,
+            "data.samples": 1024, "steps": 5,
             "profile.enabled": True, "profile.wait_steps": 1, "profile.warmup_steps": 1, "profile.active_steps": 3}
 
 

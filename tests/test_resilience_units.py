@@ -44,6 +44,21 @@ def test_a_preemptible_job_traps_the_signal_and_requeues_itself(tmp_path):
     assert "trap '" not in plain and "--requeue" not in plain  # only preemptible runs change
 
 
+
+def test_a_requeued_job_is_released_only_once_its_old_credential_is_a_second_behind():
+    # slurmd refuses a launch whose credential is from the second the old attempt's was revoked in: released at
+    # once, the requeued job FAILS ("Job credential revoked") instead of starting again
+    from datetime import datetime
+
+    from scalelab.launch.requeue import REQUEUE_SETTLE_S, release_requeued
+    requeued = datetime(2026, 11, 25, 8, 39, 53)
+    info = {"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1", "SubmitTime": requeued.isoformat()}
+    env = {"PATH": "/nonexistent"}  # a release would have to run scontrol: none may be tried here
+    for after in (0.0, 0.6, REQUEUE_SETTLE_S - 0.1):
+        assert release_requeued("625", info, env, now=requeued.timestamp() + after) is False
+    assert release_requeued("625", {**info, "SubmitTime": "Unknown"}, env, now=requeued.timestamp() + 60) is False
+    assert release_requeued("625", {**info, "Restarts": "0"}, env, now=requeued.timestamp() + 60) is False
+
 def _events(kind):
     """A 2-rank run: rank 1 killed at step 3; restarted from a step-2 checkpoint, or recovered forward."""
     ev = [{"type": "start", "rank": r, "t": 0.0, "start_step": 0, "pid": 1} for r in (0, 1)]

@@ -13,6 +13,8 @@ back to the queue with the same id and, when it starts again, resumes from the e
 from __future__ import annotations
 
 import shlex
+import time
+from datetime import datetime
 from pathlib import Path
 
 
@@ -55,12 +57,25 @@ def preemptible(launch_line: str, spec, run_dir: Path, forward: str = "scancel")
 
 
 
-def release_requeued(job_id: str, info: dict, env: dict) -> bool:
-    """Let a requeued job start again now. Slurm holds a requeued job back (Reason=BeginTime, about two minutes
+REQUEUE_SETTLE_S = 3.0
+"""How long after a requeue its job may be started again. slurmd revokes the old attempt's credential when the job
+is requeued and refuses a launch whose credential was made in the same second or earlier ("Job credential
+revoked": the job then FAILS instead of starting); Slurm's own hold is far longer."""
+
+
+def release_requeued(job_id: str, info: dict, env: dict, now: float | None = None) -> bool:
+    """Let a requeued job start again soon. Slurm holds a requeued job back (Reason=BeginTime, about two minutes
     here) so that the old attempt's epilog can finish; a watched run whose ranks already left cleanly need not
-    wait. Returns True when it asked Slurm to release the job."""
+    wait that long, only until REQUEUE_SETTLE_S after the requeue (the requeued job's SubmitTime). Returns True
+    when it asked Slurm to release the job."""
     from ..cluster.slurm import slurm_command
     if info.get("JobState") != "PENDING" or info.get("Reason") != "BeginTime" or info.get("Restarts", "0") == "0":
+        return False
+    try:  # scontrol prints local time to the second
+        requeued = datetime.strptime(info.get("SubmitTime", ""), "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return False  # no time to go by: leave the job to Slurm's own hold
+    if (time.time() if now is None else now) < requeued + REQUEUE_SETTLE_S:
         return False
     return slurm_command(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env).returncode == 0
 
