@@ -63,6 +63,10 @@ def _real_parts(request):
     for name, check in CHECKS.items():
         if request.node.get_closest_marker(name):
             check()
+    if request.node.get_closest_marker("gpu"):  # CI machines have no GPU: these skip there, and run on a GPU node
+        import torch
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA GPU on this machine: run `pytest -m gpu tests/test_gpu.py` on a GPU node")
 
 
 @pytest.fixture(scope="session")

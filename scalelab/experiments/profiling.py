@@ -67,6 +67,8 @@ def classify(event: dict, gpu: bool = False) -> str | None:
     if event.get("ph") != "X":
         return None
     name, cat = event.get("name", ""), event.get("cat", "")
+    if cat == "gpu_user_annotation":  # the GPU stream's copy of a step or phase range: counted once, on the CPU
+        return None
     if name.startswith(PREFIX):
         return name[len(PREFIX):]
     if name.startswith("ProfilerStep#"):

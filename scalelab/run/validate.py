@@ -34,6 +34,21 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _MEM = re.compile(r"^$|^\d+[KMGT]?$")
 
 
+def gloo_cannot_run(spec) -> str | None:
+    """Why `spec`'s strategy cannot run on GPUs with gloo, or None when it can.
+
+    Gloo all-reduces and broadcasts CUDA tensors (DDP, FSDP without sharding, tensor parallelism), but it sends
+    a tensor's GPU address as if it were host memory: point-to-point (pipeline stages) fails with "writev: Bad
+    address", and FSDP's reduce-scatter killed its rank without a word (both on an H100, torch 2.11).
+    """
+    if spec.strategy in ("pp", "3d"):
+        return f"strategy '{spec.strategy}' sends activations between pipeline stages, which gloo cannot do for GPU tensors"
+    if spec.strategy == "fsdp" and spec.fsdp.sharding != "none":
+        return (f"strategy 'fsdp' with fsdp.sharding={spec.fsdp.sharding} reduce-scatters gradients, which gloo "
+                "cannot do for GPU tensors")
+    return None
+
+
 def _choice(options):
     def check(v):
         if v not in options:
@@ -249,6 +264,9 @@ def _cross_checks(spec) -> None:
                                    "(CPU) or nccl (GPU), or set strategy=horovod")
     if spec.backend == "nccl" and spec.device == "cpu":
         raise SpecError("backend", "got 'nccl' with device 'cpu'; NCCL needs GPUs: use backend=gloo or auto")
+    if spec.backend == "gloo" and spec.device == "cuda" and spec.world_size > 1:
+        if why := gloo_cannot_run(spec):
+            raise SpecError("backend", f"got 'gloo' with device 'cuda': {why}; use backend=nccl or auto (a GPU per rank), or device=cpu")
     if spec.precision == "fp16" and spec.device == "cpu":
         raise SpecError("precision", "got 'fp16' with device 'cpu'; CPU autocast supports bf16: use precision=bf16")
     if spec.optim.warmup_steps > max(spec.steps, 1) and spec.epochs == 0:

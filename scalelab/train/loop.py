@@ -23,7 +23,7 @@ from ..dist import threads_per_rank
 from .faults import maybe_inject
 from .forward import ForwardRecoveryDDP
 from .hostmem import apply_malloc_policy
-from .memory import CommCounter, SavedTensorBytes, rss_peak_bytes, state_bytes
+from .memory import CommCounter, SavedTensorBytes, device_peak, rss_peak_bytes, state_bytes
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr
 from .preempt import Preemption
@@ -119,7 +119,7 @@ def train(spec, info, events) -> dict:
         counter.__exit__(None, None, None)
         if step == start_step:  # what this rank holds once every state exists: gradients are freed next
             events.emit("memory", step=step + 1, **state_bytes(raw_model, optimizer), rss_peak_bytes=rss_peak_bytes(),
-                        activation_bytes=activations.bytes, comm=counter.summary())
+                        **device_peak(device), activation_bytes=activations.bytes, comm=counter.summary())
         optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
         loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
         profiler.step()
@@ -148,7 +148,7 @@ def train(spec, info, events) -> dict:
         torch.save(full_state, run_dir / "model.pt")
     strategy.barrier()
     end = dict(steps=total_steps, final_loss=final_loss, eval_accuracy=accuracy,
-               elapsed_s=time.perf_counter() - started, rss_peak_bytes=rss_peak_bytes())
+               elapsed_s=time.perf_counter() - started, rss_peak_bytes=rss_peak_bytes(), **device_peak(device))
     events.emit("end", **end)
     strategy.shutdown()
     return end

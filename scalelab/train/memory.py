@@ -1,7 +1,7 @@
 """What a rank holds and what it sends: state bytes per rank, the process's peak RSS, collectives by kind.
 
-On a GPU a rank's peak memory is `torch.cuda.max_memory_allocated()`. On a CPU there is no allocator counter, so
-this module measures two honest things instead:
+On a GPU a rank's peak memory is `torch.cuda.max_memory_allocated()` (`device_peak`, in the memory and end events
+as device_peak_bytes). On a CPU there is no allocator counter, so this module measures two honest things instead:
 
 - `state_bytes`: the bytes of the parameters, gradients and optimizer state *this rank holds*, summed over the
   tensors themselves (a sharded DTensor counts its local shard only). This is the quantity ZeRO/FSDP shrinks.
@@ -51,6 +51,15 @@ def rss_peak_bytes() -> int:
     """The process's resident-set high-water mark in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def device_peak(device) -> dict:
+    """{"device_peak_bytes": the most GPU memory this rank's tensors have held} on a CUDA device (the caching
+    allocator's `max_memory_allocated`: parameters, gradients, optimizer state, activations and workspaces,
+    without the CUDA context), {} on a CPU."""
+    if getattr(device, "type", None) != "cuda":
+        return {}
+    return {"device_peak_bytes": int(torch.cuda.max_memory_allocated(device))}
 
 
 # c10d op name (torch.ops.c10d.<name>) -> the collective it is

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import set_socket_interface, threads_per_rank
+from ..run.validate import gloo_cannot_run
 
 
 def pick_device(spec, local_rank: int) -> torch.device:
@@ -35,11 +36,28 @@ def pick_device(spec, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_backend(spec, device: torch.device) -> str:
-    """auto -> nccl with CUDA, gloo without."""
-    if spec.backend != "auto":
-        return spec.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+def pick_backend(spec, device: torch.device, local_size: int = 1) -> str:
+    """The process group's backend for this rank. auto: NCCL when each of this node's `local_size` ranks has a
+    GPU of its own, gloo on the CPU or when ranks share a GPU (NCCL refuses two ranks on one GPU: "Duplicate GPU
+    detected"). An explicit choice that cannot work here is a SpecError naming what to change."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    shared = device.type == "cuda" and local_size > gpus
+    from ..errors import SpecError
+    if spec.backend == "nccl" and shared:
+        raise SpecError("backend", f"got 'nccl' with {local_size} ranks on a node with {gpus} GPU(s); NCCL needs a "
+                                   f"GPU per rank: set world.workers_per_node to at most {gpus}, or backend=gloo "
+                                   "to let the ranks share a GPU")
+    backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" and not shared else "gloo")
+    why = gloo_cannot_run(spec) if device.type == "cuda" and backend == "gloo" and spec.world_size > 1 else None
+    if why:
+        fix = (f"set world.workers_per_node to at most {gpus} (one GPU per rank, NCCL)" if shared
+               else "use backend=nccl or auto")
+        raise SpecError("backend" if spec.backend == "gloo" else "world.workers_per_node",
+                        f"{why}: {fix}, or device=cpu")
+    if shared and spec.backend == "auto":
+        print(f"scalelab: {local_size} ranks share this node's {gpus} GPU(s): backend gloo (NCCL needs a GPU per "
+              "rank)", file=sys.stderr, flush=True)
+    return backend
 
 
 def usable_cpus() -> int:
@@ -75,7 +93,7 @@ class DDPStrategy:
 
     def __init__(self, spec, info, device):
         self.spec, self.info, self.device = spec, info, device
-        self.backend = pick_backend(spec, device)
+        self.backend = pick_backend(spec, device, info.local_size)
         self.comm_s = 0.0
         self.wait = "none"
         """How this rank waits for its last allreduce: spin, block, or none (1 rank: nothing to wait for)."""
