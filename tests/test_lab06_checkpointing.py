@@ -27,7 +27,10 @@ def test_reference_solution_grades_full_marks_within_budget(reference):
 def test_reference_numbers_tell_the_lab_story(reference):
     records, _ = reference
     modes = records["modes"]
-    assert modes["async"]["max_block_s"] < modes["sync"]["max_block_s"]
+    # async saves block training for less in all than sync saves (the lab's stall ratio). Not each save's maximum:
+    # the first async save also starts the writer, and at grading size (a save ~15 ms) that one save could block
+    # longer than any sync save did (20 ms against 15 in one CI)
+    assert modes["async"]["blocked_s"] < modes["sync"]["blocked_s"] and records["least_blocking"] != "sync"
     assert modes["sharded"]["flush_s"] > 0 and modes["async"]["flush_s"] > 0  # written in the background
     assert records["resume"]["start_step"] == 8 and records["max_param_diff"] == 0.0
     assert [a["status"] for a in records["slices"]["attempts"]][-1] == "succeeded"
