@@ -59,6 +59,26 @@ def test_a_requeued_job_is_released_only_once_its_old_credential_is_a_second_beh
     assert release_requeued("625", {**info, "SubmitTime": "Unknown"}, env, now=requeued.timestamp() + 60) is False
     assert release_requeued("625", {**info, "Restarts": "0"}, env, now=requeued.timestamp() + 60) is False
 
+
+def test_a_settled_requeued_job_is_released_with_scontrol(tmp_path):
+    # the other side of the rule above: from REQUEUE_SETTLE_S after the requeue on, the job is asked to start now
+    # (a stand-in scontrol on PATH records how it was called)
+    from datetime import datetime
+
+    from scalelab.launch.requeue import REQUEUE_SETTLE_S, release_requeued
+    calls = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexit "${{SCONTROL_RC:-0}}"\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    requeued = datetime(2026, 11, 25, 8, 39, 53)
+    info = {"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "2", "SubmitTime": requeued.isoformat()}
+    env = {"PATH": str(tmp_path)}
+    assert release_requeued("625", info, env, now=requeued.timestamp() + REQUEUE_SETTLE_S) is True
+    assert calls.read_text().splitlines() == ["update JobId=625 StartTime=now"]
+    assert release_requeued("625", info, {**env, "SCONTROL_RC": "1"}, now=requeued.timestamp() + 60) is False
+    assert release_requeued("625", {**info, "JobState": "RUNNING"}, env, now=requeued.timestamp() + 60) is False
+    assert release_requeued("625", {**info, "Reason": "Priority"}, env, now=requeued.timestamp() + 60) is False
+    assert len(calls.read_text().splitlines()) == 2  # the refused call was tried; not-held jobs were left alone
+
 def _events(kind):
     """A 2-rank run: rank 1 killed at step 3; restarted from a step-2 checkpoint, or recovered forward."""
     ev = [{"type": "start", "rank": r, "t": 0.0, "start_step": 0, "pid": 1} for r in (0, 1)]
