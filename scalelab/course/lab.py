@@ -162,6 +162,48 @@ def parameter_defaults(notebook: str | Path) -> dict[str, Any]:
     return {}
 
 
+def parameter_table(notebook: str | Path) -> dict[str, tuple[Any, Any]]:
+    """The notebook's table of CPU and GPU-node parameters ({name: (cpu value, gpu value)}), read from the markdown
+    table whose header is `| parameter | CPU default | GPU node |`; {} when there is none.
+
+    A row names one or more parameters in backticks (`` `a`, `b` ``) and gives their values as Python literals,
+    comma-separated for several; a trailing remark in parentheses is ignored. A value that is not a literal (e.g.
+    "your scratch directory") is given as None: the table describes it, a profile cannot hold it."""
+    import ast
+    import json
+    import re
+    try:
+        nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+    def values(cell: str, n: int) -> list:
+        text = re.sub(r"\s*\([^()]*\)\s*$", "", cell.replace("`", "").strip())
+        try:
+            got = ast.literal_eval(f"[{text}]") if n > 1 else [ast.literal_eval(text)]
+        except (ValueError, SyntaxError):
+            return [None] * n
+        return list(got) if len(got) == n else [None] * n
+
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") != "markdown":
+            continue
+        lines = ("".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")).split("\n")
+        for i, line in enumerate(lines):
+            if [c.strip() for c in line.strip().strip("|").split("|")] != ["parameter", "CPU default", "GPU node"]:
+                continue
+            out = {}
+            for row in lines[i + 2:]:
+                cells = [c.strip() for c in row.strip().strip("|").split("|")] if row.strip().startswith("|") else []
+                if len(cells) != 3:
+                    break
+                names = re.findall(r"`([A-Za-z_]\w*)`", cells[0])
+                for name, cpu, gpu in zip(names, values(cells[1], len(names)), values(cells[2], len(names))):
+                    out[name] = (cpu, gpu)
+            return out
+    return {}
+
+
 def run_output_dir(lab_dir: str | Path) -> Path | None:
     """The folder (relative to the lab) where the notebook writes its runs: the `out_dir` parameter's default."""
     value = parameter_defaults(Path(lab_dir) / NOTEBOOK).get("out_dir")
@@ -192,5 +234,5 @@ def find_labs(labs_root: str | Path) -> list[Path]:
 
 
 __all__ = ["GradingError", "GradingSettings", "Lab", "load_lab", "is_private", "student_files", "find_labs",
-           "parameter_defaults", "run_output_dir",
+           "parameter_defaults", "parameter_table", "run_output_dir",
            "NOTEBOOK", "CHECKS", "HIDDEN_CHECKS", "SETTINGS", "PRIVATE"]

@@ -1,0 +1,71 @@
+"""Each lab's parameter profiles (lab.yaml `profiles:`, run by `scalelab labs run <lab> --profile <name>`) name only
+the notebook's own parameters, and a lab's `gpu-node` profile is exactly the notebook's table of GPU-node
+parameters: the table is what a student reads, the profile what an instructor runs on a GPU node. Before this test
+they had drifted apart (lab 02's profile kept 2 workers and the CPU message sizes on a 4-GPU node)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scalelab.course.lab import find_labs, load_lab, parameter_defaults, parameter_table
+
+from labtests import ROOT
+
+LABS = find_labs(ROOT / "labs")
+
+
+@pytest.mark.parametrize("lab_dir", LABS, ids=[p.name for p in LABS])
+def test_profiles_name_only_the_notebooks_parameters(lab_dir):
+    lab, defaults = load_lab(lab_dir), parameter_defaults(lab_dir / "lab.ipynb")
+    assert defaults, f"{lab.name}: no parameters cell with literal defaults"
+    for name, params in {"ci": lab.grading.parameters, **lab.profiles}.items():
+        unknown = sorted(set(params) - set(defaults))
+        assert not unknown, f"{lab.name}: profile {name} sets {unknown}, which the parameters cell does not have"
+
+
+TABLED = [p for p in LABS if parameter_table(p / "lab.ipynb")]
+
+
+def test_the_first_six_labs_have_a_gpu_table():
+    assert {p.name[:2] for p in TABLED} >= {"01", "02", "03", "04", "05", "06"}, [p.name for p in TABLED]
+
+
+@pytest.mark.parametrize("lab_dir", TABLED, ids=[p.name for p in TABLED])
+def test_gpu_node_profile_is_the_notebooks_gpu_table(lab_dir):
+    lab, defaults = load_lab(lab_dir), parameter_defaults(lab_dir / "lab.ipynb")
+    table = parameter_table(lab_dir / "lab.ipynb")
+    for name, (cpu, _) in table.items():
+        assert name in defaults, f"{lab.name}: the table lists {name}, which the parameters cell does not have"
+        assert cpu == defaults[name], f"{lab.name}: the table's CPU default of {name} is {cpu!r}, the cell's " \
+                                      f"{defaults[name]!r}"
+    profile = lab.profiles.get("gpu-node")
+    assert profile is not None, f"{lab.name}: the notebook has a GPU table but lab.yaml no gpu-node profile"
+    want = {name: gpu for name, (_, gpu) in table.items() if gpu is not None}
+    assert profile == want, f"{lab.name}: gpu-node profile {profile} is not the notebook's table {want}"
+
+
+def _notebook(tmp_path, markdown: str):
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": markdown.splitlines(keepends=True)}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "lab.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def test_the_table_parser_reads_several_names_remarks_and_descriptions(tmp_path):
+    path = _notebook(tmp_path, "\n".join([
+        "Some text first.", "",
+        "| parameter | CPU default | GPU node |",
+        "|---|---|---|",
+        "| `preset` | `\"tiny\"` | `\"gpu-node\"` |",
+        "| `steps`, `every` | 30, 5 | 200, 20 |",
+        "| `sizes` | `[1, 2]` | `[1, 2, 4]` (a remark, in parentheses) |",
+        "| `root` | `\"\"` (under `out_dir`) | your scratch directory |",
+        "| `use_slurm` | `False` | `True` |",
+        "",
+        "| `after` | 1 | 2 |"]))
+    assert parameter_table(path) == {"preset": ("tiny", "gpu-node"), "steps": (30, 200), "every": (5, 20),
+                                     "sizes": ([1, 2], [1, 2, 4]), "root": ("", None), "use_slurm": (False, True)}
+    assert parameter_table(_notebook(tmp_path, "| parameter | value |\n|---|---|\n| `a` | 1 |")) == {}
+    assert parameter_table(tmp_path / "missing.ipynb") == {}
