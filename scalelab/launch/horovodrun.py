@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..cluster.slurm import allocation, slurm_command, slurm_env
 from ..run.procs import scrub_env
-from ..run.validate import horovod_elastic
+from ..run.combinations import horovod_elastic
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
 from ..errors import LaunchError
 from ..paths import require_tool

@@ -39,7 +39,7 @@ from ..data import build_dataset
 from ..data.loader import build_eval_set
 from ..dist import threads_per_rank
 from ..run.events import events_dir
-from ..run.validate import horovod_elastic
+from ..run.combinations import horovod_elastic
 from .faults import maybe_inject, targets
 from .models import build_model
 from .optim import build_optimizer, lr_at, scaled_lr

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import set_socket_interface, threads_per_rank
-from ..run.validate import gloo_cannot_run
+from ..run.combinations import gloo_cannot_run
 
 
 def pick_device(spec, local_rank: int) -> torch.device:
