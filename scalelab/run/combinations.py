@@ -102,17 +102,22 @@ def horovod_elastic_checks(spec) -> None:
                                "set data.format=memory, optim.grad_accum=1 and precision fp32 or bf16")
 
 
+def _ranks_hold_parts(spec, runs: str, part: str) -> None:
+    """A strategy whose ranks each hold a part (fsdp, the meshes): torch.distributed ranks, sharded checkpoints."""
+    if spec.launcher == "horovodrun":
+        raise SpecError("launcher", f"got 'horovodrun' with strategy {spec.strategy!r}; {runs} on torch.distributed "
+                                    "ranks: use local, torchrun, mpirun or slurm")
+    if spec.checkpoint.every_steps and spec.checkpoint.mode != "sharded":
+        raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy {spec.strategy!r}; each "
+                                           f"rank holds only its {part}, so every rank must write: use "
+                                           "checkpoint.mode=sharded")
+
+
 def fsdp_checks(spec) -> None:
     """Strategy fsdp: torch.distributed ranks, and checkpoints that every rank writes its own shard of."""
     if spec.strategy != "fsdp":
         return
-    if spec.launcher in ("horovodrun",):
-        raise SpecError("launcher", "got 'horovodrun' with strategy 'fsdp'; FSDP runs on torch.distributed ranks: "
-                                    "use local, torchrun, mpirun or slurm")
-    if spec.checkpoint.every_steps and spec.checkpoint.mode != "sharded":
-        raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy 'fsdp'; each rank holds "
-                                           "only its shard of the state, so every rank must write: use "
-                                           "checkpoint.mode=sharded")
+    _ranks_hold_parts(spec, "FSDP runs", "shard of the state")
 
 
 def mesh_checks(spec) -> None:
@@ -151,13 +156,7 @@ def mesh_checks(spec) -> None:
         raise SpecError("pipeline.micro_batches", f"got {spec.pipeline.micro_batches}, which does not divide "
                                                   f"optim.batch_per_worker={spec.optim.batch_per_worker} into equal "
                                                   "micro-batches")
-    if spec.launcher == "horovodrun":
-        raise SpecError("launcher", f"got 'horovodrun' with strategy {spec.strategy!r}; its mesh runs on "
-                                    "torch.distributed ranks: use local, torchrun, mpirun or slurm")
-    if spec.checkpoint.every_steps and spec.checkpoint.mode != "sharded":
-        raise SpecError("checkpoint.mode", f"got {spec.checkpoint.mode!r} with strategy {spec.strategy!r}; each "
-                                           "rank holds only its part of the model, so every rank must write: use "
-                                           "checkpoint.mode=sharded")
+    _ranks_hold_parts(spec, "its mesh runs", "part of the model")
 
 
 def profile_checks(spec) -> None:
