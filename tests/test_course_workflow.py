@@ -114,6 +114,7 @@ def week(course):
     assert code == 0
     with open(path.strip(), newline="", encoding="utf-8") as f:
         res["gradebook"] = list(csv.DictReader(f))
+    res["gradebook_mode"] = os.stat(path.strip()).st_mode & 0o777
     res["secret"] = secret
     return res
 
@@ -152,6 +153,7 @@ def test_feedback_goes_back_into_each_home_as_the_student(course, week):
 
 
 def test_the_course_gradebook_has_a_row_per_student_and_a_column_per_lab(course, week):
+    assert week["gradebook_mode"] == 0o600, oct(week["gradebook_mode"])  # every student's grades: the instructor's
     rows = {r["Student"].rsplit("-", 1)[-1]: r for r in week["gradebook"]}
     assert sorted(rows) == ["ann", "ben", "cat"]
     assert (rows["ann"]["90_fixture (%)"], rows["ann"]["91_fixture (%)"], rows["ann"]["Average (%)"]) == \
@@ -172,6 +174,7 @@ def test_a_second_collect_after_the_deadline_keeps_the_on_time_snapshot(tmp_path
     out, deadline = tmp_path / "collected", parse_deadline(DEADLINE)
     first = collect(FIX / "labs" / "90_fixture", {"dee": home}, out, deadline=deadline)
     assert (first[0].status, first[0].late) == ("collected", False)
+    assert out.stat().st_mode & 0o777 == 0o700  # students' work: nobody else may enter the collection
     nb.write_text('{"changed": 2}')  # after the deadline (today), with its time set back to look on time
     os.utime(nb, (ON_TIME, ON_TIME))
     second = collect(FIX / "labs" / "90_fixture", {"dee": home}, out, deadline=deadline)

@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from scalelab.hub.posture import COURSE_GROUP
+from scalelab.paths import checkout_root
 from scalelab.testing.hub import HubRunner, slurm_settings
 
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -106,6 +107,14 @@ def assert_isolated(hub: HubRunner, users: dict) -> None:
         assert r.returncode != 0 and bob_token not in r.stdout and "CONFIGPROXY_AUTH_TOKEN" not in r.stdout, target
     r = as_student(alice, "ls", pwd.getpwnam(bob).pw_dir)
     assert r.returncode != 0 and "Permission denied" in r.stderr
+    # the checkout her server runs from: its reference solutions, hidden checks, the tests' solved lab and the
+    # history are closed to her; the scalelab package she imports is not
+    root = checkout_root()
+    for private in ("labs/01_single_device/hidden_checks.py", "labs/01_single_device/lab.ipynb",
+                    "tests/fixtures/legacy/05_data_pipeline/lab.ipynb", ".git/HEAD"):
+        r = as_student(alice, "cat", str(root / private))
+        assert r.returncode != 0 and "Permission denied" in r.stderr, (private, r.stdout[:80])
+    assert as_student(alice, "cat", str(root / "scalelab" / "__init__.py")).returncode == 0
     # positive controls: the same reads of her own things work
     own = server_processes(hub, alice)[0].pid
     assert "JUPYTERHUB_API_TOKEN" in as_student(alice, "cat", f"/proc/{own}/environ").stdout

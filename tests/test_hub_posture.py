@@ -13,7 +13,8 @@ import pytest
 from tornado import web
 
 from scalelab.hub.authenticator import CourseSharedPasswordAuthenticator
-from scalelab.hub.posture import format_posture, problems, resolve_run_as, system_account, warnings
+from scalelab.hub.posture import (INSTRUCTOR_ONLY, format_posture, problems, resolve_run_as,
+                                  seal_instructor_files, system_account, warnings)
 from scalelab.hub.settings import SettingsError, load_settings, read_roster
 
 
@@ -39,7 +40,6 @@ def test_hub_account_on_a_root_hub_is_refused_with_the_fix(cfg):
     unsafe = problems(settings(cfg, run_as="hub-account"), euid=0)
     assert len(unsafe) == 1 and "runs every student's code as root" in unsafe[0]
     assert "student-accounts" in unsafe[0] and "create_accounts" in unsafe[0]
-    assert problems(settings(cfg, run_as="hub-account"), euid=1000) == []
     allowed = settings(cfg, run_as="hub-account", allow_root_servers=True)
     assert problems(allowed, euid=0) == [] and any("root" in w for w in warnings(allowed))
 
@@ -190,6 +190,7 @@ def test_an_empty_class_list_is_refused_unless_any_name_is_chosen(cfg):
     open_["auth"]["allowed_users"] = []
     assert any("anyone with the shared password could sign in under any name" in p for p in problems(open_, euid=1000))
     open_["auth"]["any_name"] = True
+    open_["servers"]["shared_account"] = True
     assert problems(open_, euid=1000) == [] and any("any_name" in w for w in warnings(open_))
 
 
@@ -227,3 +228,48 @@ def test_a_student_with_an_own_password_cannot_use_the_shared_one():
     assert sign_in("ann", "right-password-123") is None  # the shared password is not hers
     assert sign_in("bob", "ann-own-pass-1") is None  # nor is her password anyone else's
     assert sign_in("bob", "right-password-123")["name"] == "bob"  # no own password: the shared one
+
+
+def test_the_checkouts_instructor_files_are_closed_to_other_accounts(tmp_path, monkeypatch):
+    # students' servers traverse the checkout (its venv, the scalelab package): solutions, hidden checks, the
+    # tests' solved lab, history, executed references, collected work and grades must not be open to them
+    import grp
+    course_gid = 54321  # stands for the course group: a folder of that group loses its group bits too
+    monkeypatch.setattr(grp, "getgrnam", lambda name: SimpleNamespace(gr_gid=course_gid))
+    for rel, mode in (("labs", 0o755), ("tests/fixtures/legacy", 0o775), (".git", 0o750), ("build/executed", 0o755),
+                      ("build/student/labs", 0o755), ("scalelab", 0o755), ("tests/fixtures/grading", 0o755)):
+        (tmp_path / rel).mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).chmod(mode)
+    os.chown(tmp_path / "build" / "executed", -1, course_gid)
+    sealed = seal_instructor_files(tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in sealed) == ["build/executed", "labs",
+                                                                           "tests/fixtures/legacy"]
+    modes = {rel: (tmp_path / rel).stat().st_mode & 0o777 for rel in INSTRUCTOR_ONLY if (tmp_path / rel).exists()}
+    assert modes == {"labs": 0o750, "tests/fixtures/legacy": 0o770, ".git": 0o750, "build/executed": 0o700}
+    for rel in ("build/student/labs", "scalelab", "build", "tests", "tests/fixtures/grading"):  # what others use
+        assert (tmp_path / rel).stat().st_mode & 0o777 == 0o755, rel
+    assert seal_instructor_files(tmp_path) == []  # nothing left to close
+    cfg = load_settings()
+    for run_as, words in (("student-accounts", "closed to students"), ("hub-account", "readable by the servers")):
+        cfg["servers"]["run_as"] = run_as
+        assert words in format_posture(cfg, euid=0 if run_as == "student-accounts" else 1000)
+
+
+def test_one_account_for_a_whole_class_is_refused_unless_shared_on_purpose(cfg):
+    # a hub run by an ordinary (service) account gives every student's server that one account: each could read
+    # the others' work and tokens and the hub's secrets, which 0700 directories do not stop (same uid)
+    shared = settings(cfg, run_as="hub-account")
+    assert len(shared["auth"]["allowed_users"]) > 1  # the course's class list
+    [why] = problems(shared, euid=1000)
+    assert "the others' work and tokens" in why and "student-accounts" in why and "shared_account" in why
+    assert "shared by every student" in format_posture(shared, euid=0)
+    one = settings(cfg, run_as="hub-account")
+    one["auth"]["allowed_users"], one["hub"]["admin_users"] = ["ada"], []
+    assert problems(one, euid=1000) == []  # a one-person try-out separates nobody from nobody
+    one["hub"]["admin_users"] = ["instructor"]
+    assert problems(one, euid=1000) != []  # the admin is a second person
+    pam = settings(cfg, run_as="hub-account")
+    pam["auth"]["type"], pam["auth"]["allowed_users"] = "pam", ["ada"]
+    assert problems(pam, euid=1000) != []  # every Unix account may sign in
+    ok = settings(cfg, run_as="hub-account", shared_account=True)
+    assert problems(ok, euid=1000) == [] and any("shared_account" in w for w in warnings(ok))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import SetupError
 from ..hub.config import private_state_dir, refuse_unsafe
-from ..hub.posture import format_posture, problems, warnings, who_runs_servers
+from ..hub.posture import format_posture, problems, seal_instructor_files, warnings, who_runs_servers
 from ..hub.settings import (ENV_OVERRIDES, ENV_SETTINGS, deep_merge, default_settings_path, hub_config_dir,
                             load_settings)
 
@@ -152,6 +152,10 @@ def run_hub(args) -> int:
         print(f"scalelab hub: warning: {w}", file=sys.stderr)
     if cfg["labs"]["source"] == "auto":
         _release_course_labs()
+    if cfg["servers"]["run_as"] == "student-accounts":
+        sealed = seal_instructor_files()
+        if sealed:
+            print(f"scalelab hub: closed to students (mode 0700): {', '.join(str(p) for p in sealed)}", flush=True)
     passwords = ensure_passwords(cfg)
     if cfg["kernels"]["install"]:
         from ..hub.kernels import install_kernels

@@ -68,6 +68,7 @@ def collect(lab_dir: str | Path, homes: dict[str, Path], out: str | Path, *, lab
     if Path(NOTEBOOK) not in names:
         raise GradingError(f"{lab_dir} has no {NOTEBOOK}: is it a lab folder?")
     out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)  # students' work: only the instructor who collected it reads it
     previous = {c["student"]: c for c in _read_manifest(out)}
     found = []
     for student, home in sorted(homes.items()):

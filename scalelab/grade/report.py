@@ -16,6 +16,7 @@ import csv
 import hashlib
 import html
 import json
+import os
 import re
 import threading
 import time
@@ -152,7 +153,9 @@ def course_gradebook(grades_root: Path, out_csv: Path | None = None, late: dict[
             table.setdefault(str(r.get("student", "")), {})[lab.name] = r
     late = late or {}
     out_csv = Path(out_csv or grades_root / "course_gradebook.csv")
-    with _LOCK, open(out_csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
+    private = lambda path, flags: os.open(path, flags, 0o600)  # noqa: E731 - every student's grades: owner only
+    with _LOCK, open(out_csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8", opener=private) as f:
+        os.chmod(f.fileno(), 0o600)  # a stale .tmp kept its old mode through O_CREAT
         w = csv.writer(f)
         head = ["Student"]
         for lab in labs:

@@ -2,11 +2,12 @@
 
 Two ways to run a student's server (setting `servers.run_as`):
 
-- ``hub-account`` (the default, and what `make hub` uses): the server runs as the account running the hub; each
-  student works in their own directory (`servers.home`, by default ``<state_dir>/homes/<name>``). Simple, needs no
-  Unix accounts, no sudo, and works with a Python environment only that account can read. Students are kept
-  apart by the hub (a server only accepts its owner), not by Unix permissions: right for a laptop, a demo, or a
-  dedicated course VM. When that account is root the server is started with ``--allow-root``.
+- ``hub-account`` (what ``run_as: auto`` picks on a hub that is not root): the server runs as the account running
+  the hub; each student works in their own directory (`servers.home`, by default ``<state_dir>/homes/<name>``).
+  Simple, needs no Unix accounts, no sudo, and works with a Python environment only that account can read. Students
+  are kept apart only by the hub (a server only accepts its owner), not by Unix permissions: code in one server can
+  read every other student's work and the hub's secrets, so it is refused for more than one person unless
+  ``shared_account`` (a private try-out). When that account is root the server is started with ``--allow-root``.
 - ``student-accounts``: each student is a Unix account (PAM login at a site) and the server runs as that account,
   in its home; the Python environment must be readable by every student (e.g. on the shared filesystem). With
   ``create_accounts`` (one machine, a root hub: what ``run_as: auto`` picks there) the hub creates a course account

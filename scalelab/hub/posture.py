@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
+from pathlib import Path
 from typing import Mapping
+
+from ..paths import checkout_root
 
 #: Login names that are never a student, whatever the roster says (system and service accounts).
 RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp",
@@ -27,6 +31,43 @@ RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "games", "ma
 #: Unix accounts below this uid are system accounts (Debian's FIRST_UID).
 FIRST_UID = 1000
 COURSE_GROUP = "scalelab-students"
+
+
+#: Folders of the checkout that students must not read, though their servers use its environment (the venv, the
+#: scalelab package): the reference labs (solutions and hidden checks), a solved lab among the test fixtures, the
+#: history of both, and what instructors make from them (executed references, their own runs, collected work,
+#: grades).
+INSTRUCTOR_ONLY = ("labs", "tests/fixtures/legacy", ".git", "build/executed", "build/runs", "build/collected",
+                   "build/grades")
+
+
+def seal_instructor_files(root: str | Path | None = None) -> list[Path]:
+    """Close `root`'s (the checkout's) INSTRUCTOR_ONLY folders to other accounts; returns those it changed.
+
+    For a hub whose servers run as the students' own accounts: they traverse the checkout to reach its venv and
+    the scalelab package, so what else it holds must not be open to them. Each folder loses its bits for others,
+    and for its group too when that is the course group; the checkout's own group (instructors who grade without
+    root) keeps its access. A folder made later by `scalelab course collect` or `scalelab grade` is made private
+    by those commands."""
+    import grp
+    root = checkout_root() if root is None else Path(root)
+    try:
+        course_gid = grp.getgrnam(COURSE_GROUP).gr_gid
+    except KeyError:
+        course_gid = None
+    changed = []
+    for rel in INSTRUCTOR_ONLY:
+        path = root / rel
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        closed = mode & (0o700 if st.st_gid == course_gid else 0o770)
+        if closed != mode:
+            os.chmod(path, closed)
+            changed.append(path)
+    return changed
 
 
 def resolve_run_as(cfg: dict, euid: int | None = None) -> dict:
@@ -63,6 +104,13 @@ def problems(cfg: Mapping, euid: int | None = None) -> list[str]:
                    "read the hub's secrets and database and every other student's files and tokens. Use run_as: "
                    "student-accounts (with servers.create_accounts: true on a single machine), or run the hub as an "
                    "unprivileged account; allow_root_servers: true only on a throwaway test machine")
+    if servers["run_as"] == "hub-account" and euid != 0 and not servers.get("shared_account") \
+            and not single_person(cfg):
+        out.append("servers.run_as: hub-account runs every student's server as the hub's own account: each student "
+                   "could read the others' work and tokens and the hub's secrets (its state dir). For a class, run "
+                   "the hub as root (servers.run_as: student-accounts, with servers.create_accounts: true on a single "
+                   "machine); servers.shared_account: true only for a private try-out, or list one name in "
+                   "auth.allowed_users")
     if servers["run_as"] == "student-accounts" and auth["type"] == "shared-password" \
             and not servers.get("create_accounts"):
         out.append("auth.type: shared-password with servers.run_as: student-accounts would let anyone with the "
@@ -83,6 +131,13 @@ def problems(cfg: Mapping, euid: int | None = None) -> list[str]:
     return out
 
 
+def single_person(cfg: Mapping) -> bool:
+    """Whether at most one name can sign in: one listed name (admins included), no PAM, no any_name."""
+    auth = cfg["auth"]
+    return auth["type"] != "pam" and not auth.get("any_name") and \
+        len({*auth["allowed_users"], *cfg["hub"]["admin_users"]}) <= 1
+
+
 def warnings(cfg: Mapping) -> list[str]:
     """Weak but allowed choices, said at start and by --check."""
     out = []
@@ -94,6 +149,9 @@ def warnings(cfg: Mapping) -> list[str]:
         out.append(f"auth.roster: {roster} holds passwords and other users can read it: chmod 600 it")
     if cfg["servers"].get("allow_root_servers") and cfg["servers"]["run_as"] == "hub-account":
         out.append("servers.allow_root_servers: students' servers may run as root (test machine only)")
+    if cfg["servers"].get("shared_account") and cfg["servers"]["run_as"] == "hub-account" and not single_person(cfg):
+        out.append("servers.shared_account: every student's server runs as one account, so students can read each "
+                   "other's work and tokens and the hub's secrets (a private try-out only)")
     if cfg["servers"].get("spawn_from_link"):
         out.append("servers.spawn_from_link: a link on any site can start a server (and a Slurm job) for a "
                    "signed-in student")
@@ -108,7 +166,8 @@ def who_runs_servers(cfg: Mapping, euid: int | None = None) -> str:
             "create_accounts") else ""
         return "each student's own Unix account" + made
     who = "root" if euid == 0 else pwd.getpwuid(euid).pw_name
-    return f"the hub's account ({who}), each student in their own directory"
+    shared = "" if single_person(cfg) else ", shared by every student (not separated from each other)"
+    return f"the hub's account ({who}), each student in a directory of their own{shared}"
 
 
 def posture(cfg: Mapping, euid: int | None = None) -> list[tuple[str, str]]:
@@ -132,6 +191,9 @@ def posture(cfg: Mapping, euid: int | None = None) -> list[tuple[str, str]]:
         ("admins", ", ".join(cfg["hub"]["admin_users"]) or "none"),
         ("spawn from a link", "on" if cfg["servers"].get("spawn_from_link") else "off (form POST only)"),
         ("state dir", f"{state} ({mode})"),
+        ("instructor files", "labs, tests/fixtures/legacy, .git, build/{executed,runs,collected,grades}: closed to "
+                             "students at start" if cfg["servers"]["run_as"] == "student-accounts" else
+                             "labs, .git, build/...: readable by the servers' account (the hub's own)"),
     ]
 
 

@@ -160,7 +160,8 @@ class HubRunner:
                  env: dict | None = None, accounts: list[str] | None = None):
         """`accounts`: short names of students who get course accounts (servers run as their own Unix accounts;
         the hub must run as root). Without it servers run as the hub's account, and on a root test machine that
-        is allowed explicitly (servers.allow_root_servers), as is signing in under any name (auth.any_name): the
+        is allowed explicitly (servers.allow_root_servers), as are one account for all (servers.shared_account) and
+        signing in under any name (auth.any_name): the
         tests of other hub features need neither accounts nor a class list."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +184,7 @@ class HubRunner:
             base["servers"] = {"run_as": "student-accounts", "create_accounts": True}
             base["auth"]["allowed_users"] = list(self.accounts)
         else:
-            base["servers"] = {"run_as": "hub-account", "allow_root_servers": os.geteuid() == 0}
+            base["servers"] = {"run_as": "hub-account", "allow_root_servers": os.geteuid() == 0, "shared_account": True}
             base["auth"]["any_name"] = True  # tests sign in whatever names they need
         from ..hub.settings import deep_merge
         self.settings = deep_merge(base, settings or {})
