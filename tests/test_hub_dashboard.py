@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from scalelab.course.release import release_lab
-from scalelab.hub.dashboard import class_snapshot, lab_progress, render_page
+from scalelab.hub.dashboard import class_snapshot, lab_progress, render_page, slurm_jobs
 from scalelab.hub.settings import load_settings
 from scalelab.record import MIME
 from scalelab.testing.hub import HubRunner
@@ -147,3 +147,20 @@ def test_the_dashboard_in_a_browser(hub):
             raise
         finally:
             browser.close()
+
+
+def test_a_job_named_after_a_classmate_is_not_shown_as_their_server(tmp_path, monkeypatch):
+    # attack: `sbatch -J jupyter-bob` by alice would otherwise show as bob's server on the instructors' page
+    import os
+    import pwd
+    hub_account = pwd.getpwuid(os.geteuid()).pw_name
+    queue = (f"101|jupyter-bob|RUNNING|node1|bob\n102|jupyter-carl|RUNNING|node2|alice\n"
+             f"103|jupyter-dee|PENDING||{hub_account}\n104|training|RUNNING|node1|bob\n")
+    (tmp_path / "squeue").write_text(f"#!/bin/sh\nprintf '{queue}'\n")
+    (tmp_path / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cfg = load_settings(overrides={"mode": "slurm", "hub": {"state_dir": str(tmp_path / "state")}})
+    cfg["servers"]["run_as"] = "student-accounts"
+    assert slurm_jobs(cfg) == {"bob": {"job": "101", "state": "running", "nodes": "node1"}}
+    cfg["servers"]["run_as"] = "hub-account"  # the hub submits every server as itself
+    assert slurm_jobs(cfg) == {"dee": {"job": "103", "state": "pending", "nodes": ""}}

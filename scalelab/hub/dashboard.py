@@ -108,11 +108,19 @@ def slurm_jobs(cfg: dict) -> dict[str, dict]:
                              timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
+    import pwd
+    hub_account = pwd.getpwuid(os.geteuid()).pw_name
+    own_accounts = cfg["servers"]["run_as"] == "student-accounts"
     jobs = {}
     for line in out.splitlines():
         parts = line.split("|")
-        if len(parts) == 5 and parts[1].startswith("jupyter-"):
-            jobs[parts[1][len("jupyter-"):]] = {"job": parts[0], "state": parts[2].lower(), "nodes": parts[3]}
+        if len(parts) != 5 or not parts[1].startswith("jupyter-"):
+            continue
+        name = parts[1][len("jupyter-"):]
+        # a job counts as a student's server only when its owner is who submits servers: the student's own
+        # account, or the hub's; anyone may name a job jupyter-<classmate> (`sbatch -J`)
+        if parts[4] == (name if own_accounts else hub_account):
+            jobs[name] = {"job": parts[0], "state": parts[2].lower(), "nodes": parts[3]}
     return jobs
 
 
