@@ -27,6 +27,10 @@ from .untrusted import UntrustedFileError, load_json_beneath
 
 RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit
 MAX_SUBMISSION_BYTES = 32 * 2**20
+# The runner starts as root in the job's work folder, which holds student files (the notebook, the lab's modules):
+# its import path must not begin with that folder, as `python -m` would make it, or a student's module could
+# shadow one the runner imports while still root.
+RUNNER_MAIN = "import sys; del sys.path[0]; from scalelab.grade.runner import main; sys.exit(main(sys.argv[1:]))"
 OUTPUT_LIMIT = 200_000  # characters a cell may print while it runs (the rest is cut with a note; records never)
 # The environment a submission sees: nothing else of the grader's (tokens, passwords) reaches student code.
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "VIRTUAL_ENV", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
@@ -197,7 +201,7 @@ def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float,
     env.update(HOME=str(job / "home"), TMPDIR=str(job / "tmp"), USER="student", LOGNAME="student",
                PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "scalelab.grade.runner", str(job_file)], cwd=job / "work",
+        proc = subprocess.Popen([sys.executable, "-c", RUNNER_MAIN, str(job_file)], cwd=job / "work",
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
