@@ -1,4 +1,4 @@
-"""The confined side of a grading run: what `python -m scalelab.grade.runner` does to itself before any student
+"""The confined side of a grading run: what the runner (`scalelab.grade.runner`) does to itself before any student
 code exists in it (the threat model and the plan are in `scalelab.grade.sandbox`, the grader's side).
 
 `apply_sandbox(plan)` unshares namespaces, covers and hides paths, brings up a private loopback, sets limits,

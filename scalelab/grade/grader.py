@@ -9,7 +9,7 @@ Per submission, in its own thread of the grader and its own processes:
 
 1. a fresh job folder: a working copy of the lab *as a student has it* (`lab.student_files`: no hidden checks,
    no solutions) with the submission as lab.ipynb, plus a private HOME and TMPDIR;
-2. `python -m scalelab.grade.runner` confines itself (`sandbox`: throwaway uid, no network, hidden paths,
+2. the runner (`scalelab.grade.runner`, as root) confines itself (`sandbox`: throwaway uid, no network, hidden paths,
    memory limit) and executes the notebook with the lab's grading parameters and timeouts;
 3. every process of the run is killed, then the grader reads the executed notebook as untrusted JSON
    (`untrusted`), adds its own evidence from the run's event files (`evidence`), and runs the public and hidden

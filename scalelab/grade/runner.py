@@ -1,4 +1,4 @@
-"""The sandboxed side of grading one submission: `python -m scalelab.grade.runner JOB.json`.
+"""The sandboxed side of grading one submission: `main([JOB.json])`, started by job.py (`RUNNER_MAIN`).
 
 The grader writes JOB.json (notebook, working copy, parameters, limits, sandbox plan) and starts this module, as
 root, in its own session. The runner itself never runs student code and keeps its uid: it forks the confined run
