@@ -278,6 +278,29 @@ def test_working_copy_takes_modules_from_a_submitted_folder_but_checks_from_the_
         assert (job / "work" / "data.txt").read_text() == "shipped"
         assert not (job / "work" / "hidden_checks.py").exists()
         assert {p.name for p in job.iterdir()} == {"work", "home", "tmp", "out"}
+    # a hard link to a file elsewhere (a classmate's, the hidden checks) is not taken either
+    os.unlink(own / "stats.py")
+    (tmp_path / "elsewhere.py").write_text("SECRET = 1\n")
+    os.link(tmp_path / "elsewhere.py", own / "stats.py")
+    assert working_copy(lab, tmp_path / "job3", own) == []
+    assert "SECRET" not in (tmp_path / "job3" / "work" / "stats.py").read_text()
+
+
+def test_a_submission_reached_through_a_link_is_refused(tmp_path):
+    # attack (an instructor grading homes directly): alice links her lab folder to bob's, to hand in his work
+    from scalelab.grade.job import copy_submission
+    bob = tmp_path / "bob" / "labs" / "90_fixture"
+    bob.mkdir(parents=True)
+    (bob / "lab.ipynb").write_text('{"bob": 1}')
+    (tmp_path / "alice" / "labs").mkdir(parents=True)
+    os.symlink(bob, tmp_path / "alice" / "labs" / "90_fixture")
+    why = copy_submission(tmp_path / "alice" / "labs" / "90_fixture" / "lab.ipynb", tmp_path / "job" / "work")
+    assert why and "symbolic link" in why and not (tmp_path / "job" / "work" / "lab.ipynb").exists()
+    assert copy_submission(bob / "lab.ipynb", tmp_path / "job2" / "work") is None  # the real path is graded
+    assert (tmp_path / "job2" / "work" / "lab.ipynb").read_text() == '{"bob": 1}'
+    os.link(bob / "lab.ipynb", tmp_path / "alice" / "hardlinked.ipynb")
+    why = copy_submission(tmp_path / "alice" / "hardlinked.ipynb", tmp_path / "job3" / "work")
+    assert why and "hard links" in why
 
 
 def test_grade_and_labs_release_cli_surface_is_frozen():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
 from ..course.release import student_file
-from ..paths import checkout_root, labs_dir, scheduler_paths
+from ..paths import checkout_root, labs_dir, read_beneath, scheduler_paths
 from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
@@ -38,16 +38,27 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "VIRTUAL_ENV", "PYTHONPA
 
 
 def copy_submission(path: Path, work: Path) -> str | None:
-    """Put the submission in the working copy as lab.ipynb; returns why it cannot be used, or None."""
+    """Put the submission in the working copy as lab.ipynb; returns why it cannot be used, or None.
+
+    The submission may sit in a student's own folder (an instructor grading homes directly, as root): a symbolic
+    link anywhere in its path is refused (a student's lab folder linked to a classmate's would hand in the
+    classmate's work), and the file is read without following a link planted after that check."""
     work.mkdir(parents=True)
     if path.is_symlink():
         return f"{path.name} is a symbolic link, not a notebook file"
     if not path.is_file():
         return f"{path} does not exist (or is not a file)"
+    if os.path.realpath(path) != os.path.abspath(path):
+        return (f"{path} is reached through a symbolic link ({os.path.realpath(path)}): grade the collected copy "
+                "(scalelab course collect) or the real path")
     if path.stat().st_size > MAX_SUBMISSION_BYTES:
         return (f"{path.name} is {path.stat().st_size / 2**20:.1f} MiB, over the "
                 f"{MAX_SUBMISSION_BYTES // 2**20} MiB a submission may have: clear the outputs and submit again")
-    shutil.copyfile(path, work / NOTEBOOK)
+    try:
+        data = read_beneath(path.parent, path.name, MAX_SUBMISSION_BYTES, single_link=True)
+    except UntrustedFileError as e:
+        return f"{path.name} cannot be read safely: {e}"
+    (work / NOTEBOOK).write_bytes(data)
     return None
 
 
@@ -156,7 +167,7 @@ def working_copy(lab: Lab, job: Path, own: Path | None = None) -> list[str]:
         target.parent.mkdir(parents=True, exist_ok=True)
         mine = _own_file(own, rel) if own is not None and rel.name not in (CHECKS, SETTINGS) else None
         if mine is not None:
-            shutil.copyfile(mine, target)
+            target.write_bytes(mine)
             taken.append(rel.as_posix())
         else:
             target.write_bytes(student_file(lab.path, rel)[0])
@@ -165,13 +176,14 @@ def working_copy(lab: Lab, job: Path, own: Path | None = None) -> list[str]:
     return taken
 
 
-def _own_file(own: Path, rel: Path) -> Path | None:
-    """The student's regular file `rel` inside `own` (no link leading out of it), or None."""
-    path = own / rel
-    root = os.path.realpath(own)
-    if path.is_symlink() or not path.is_file() or not os.path.realpath(path).startswith(root + os.sep):
+def _own_file(own: Path, rel: Path) -> bytes | None:
+    """The bytes of the student's regular file `rel` inside `own`, or None: read without following any link below
+    `own` (checked and read in one go, so a link swapped in between is not followed either), nor a file with other
+    hard links (a link to a file elsewhere)."""
+    try:
+        return read_beneath(own, rel, MAX_SUBMISSION_BYTES, single_link=True)
+    except (UntrustedFileError, OSError):
         return None
-    return path if path.stat().st_size <= MAX_SUBMISSION_BYTES else None
 
 
 def runner_env() -> dict[str, str]:
