@@ -6,6 +6,8 @@ import math
 import os
 import time
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -368,3 +370,21 @@ def test_checks_files_load_in_many_threads_at_once_each_with_its_own_checks(tmp_
         t.join()
     assert errors == []
     assert len(found) == 90 and all(names == [f"c{i}" for i in range(n)] for n, names in found)
+
+
+def test_the_root_runner_does_not_import_from_the_students_work_folder(tmp_path):
+    # attack: the runner starts as root with the job's work folder (student files) as its current folder; with
+    # `python -m` that folder came first on the import path, so a module planted there would run as root
+    from scalelab.grade.job import RUNNER_MAIN
+    planted = tmp_path / "scalelab" / "grade"
+    planted.mkdir(parents=True)
+    for folder in (tmp_path / "scalelab", planted):
+        (folder / "__init__.py").write_text("")
+    (planted / "runner.py").write_text("print('PLANTED RUNNER')\ndef main(argv):\n    return 0\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    as_before = subprocess.run([sys.executable, "-m", "scalelab.grade.runner", "job.json"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=120)
+    assert "PLANTED RUNNER" in as_before.stdout  # the control: -m imports the planted module
+    now = subprocess.run([sys.executable, "-c", RUNNER_MAIN, "job.json"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert "PLANTED RUNNER" not in now.stdout and "job.json" in now.stderr  # the real runner, missing its job
