@@ -155,7 +155,8 @@ def run_hub(args) -> int:
     if cfg["servers"]["run_as"] == "student-accounts":
         sealed = seal_instructor_files()
         if sealed:
-            print(f"scalelab hub: closed to students (no access for others): {', '.join(str(p) for p in sealed)}", flush=True)
+            print("scalelab hub: closed to students (no access for others): " + ", ".join(str(p) for p in sealed),
+                  flush=True)
     passwords = ensure_passwords(cfg)
     if cfg["kernels"]["install"]:
         from ..hub.kernels import install_kernels
