@@ -57,8 +57,9 @@ def test_pipeline_trains_to_the_unsplit_losses_and_its_bubble_shrinks_with_micro
         assert first["losses"] == pytest.approx(first["serial_losses"], rel=1e-5)
         assert first["formula"] == bubble_formula(2, m)
     assert runs[1][0]["measured_bubble"] == pytest.approx(0.5, abs=1e-9)  # one micro-batch: stages take turns
-    # 8 micro-batches: the formula says 0.11; a loaded 2-core machine slows the stages unevenly, hence the margin
-    assert runs[8][0]["measured_bubble"] < 0.4
+    # 8 micro-batches: the formula says 0.11; the replay takes each stage's fastest operations and the best step,
+    # and a margin stays for stages a loaded 2-core machine slowed all through (4 busy loops beside: 0.14)
+    assert runs[8][0]["measured_bubble"] < 0.3
     peaks = [r["peak_in_flight"] for r in runs[8]]
     assert peaks == ([8, 8] if schedule == "gpipe" else [2, 1])  # 1F1B: at most p - s micro-batches held
 
@@ -70,6 +71,11 @@ def test_schedules_and_the_replay_follow_the_textbook():
         timelines = [[(op, i, 0.0, 1.0 if op == "F" else 2.0) for op, i in schedule_ops("1f1b", s, p, m)]
                      for s in range(p)]
         assert replay_bubble(timelines)["bubble"] == pytest.approx(bubble_formula(p, m))
+    # load from other processes stretches some of stage 1's operations 3x: not schedule, the replay ignores it
+    slowed = [[(op, i, 0.0, (1.0 if op == "F" else 2.0) * (3 if s == 1 and i % 2 else 1))
+               for op, i in schedule_ops("gpipe", s, 2, 8)] for s in range(2)]
+    assert replay_bubble(slowed)["bubble"] == pytest.approx(bubble_formula(2, 8))
+    assert replay_bubble(slowed, typical=False)["bubble"] > bubble_formula(2, 8) + 0.1
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
         schedule_ops("zigzag", 0, 2, 2)
     import torch.nn as nn
