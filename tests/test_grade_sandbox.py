@@ -4,14 +4,12 @@ Most need root (the grader's intended mode); the unprivileged user-namespace fal
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,39 +21,10 @@ from scalelab.grade.sandbox import (UID_RANGE, SandboxError, SandboxPlan, Sandbo
                                     plan_sandbox)
 from scalelab.grade.confine import confinement_leaks
 from scalelab.grade.sandbox import verify_network_isolation
+from sandbox_helpers import _as_root, confined, fake_checkout, open_tmp, root_only  # noqa: F401 (fixtures)
 
-CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
 import make_fixtures  # noqa: E402
-
-
-@pytest.fixture
-def _as_root():
-    # As with the other real parts (conftest.py): skipped locally, a failure under CI=true.
-    if os.geteuid() != 0:
-        if CI:
-            pytest.fail("CI=true: the grader's sandbox tests must run as root", pytrace=False)
-        pytest.skip("the grader's full sandbox needs root")
-
-
-root_only = pytest.mark.usefixtures("_as_root")
-
-
-@pytest.fixture
-def open_tmp():
-    """A folder other users may enter (pytest's tmp_path sits under a 0700 folder)."""
-    path = Path(tempfile.mkdtemp(prefix="scalelab-sandbox-test-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _confined(plan: SandboxPlan, code: str, timeout=60) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh Python that first applies `plan` to itself (as the grader's runner does)."""
-    prog = ("import json, sys; from scalelab.grade.sandbox import SandboxPlan; from scalelab.grade.confine import apply_sandbox; "
-            "apply_sandbox(SandboxPlan.from_dict(json.loads(sys.argv[1])))\n" + textwrap.dedent(code))
-    return subprocess.run([sys.executable, "-c", prog, json.dumps(plan.to_dict())], capture_output=True, text=True,
-                          timeout=timeout, cwd="/")
 
 
 CONNECT = """
@@ -74,8 +43,8 @@ def test_network_namespace_blocks_a_host_port_and_the_probe_would_see_a_leak():
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         port = server.getsockname()[1]
-        isolated = _confined(SandboxPlan(netns="root"), CONNECT.format(port=port))
-        open_ = _confined(SandboxPlan(netns="none"), CONNECT.format(port=port))
+        isolated = confined(SandboxPlan(netns="root"), CONNECT.format(port=port))
+        open_ = confined(SandboxPlan(netns="none"), CONNECT.format(port=port))
     assert isolated.stdout.startswith("refused"), isolated.stderr
     assert open_.stdout.strip() == "connected"  # the same attempt does reach the host without the namespace
     assert verify_network_isolation("root")["isolated"] is True
@@ -87,7 +56,7 @@ def test_unprivileged_user_namespace_isolates_the_network_as_nobody():
         result = verify_network_isolation("user")
     else:  # become nobody the grader's way (the interpreter may sit under root's 0700 home)
         plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None), uid=65534)
-        proc = _confined(plan, "import json; from scalelab.grade.sandbox import verify_network_isolation as v\n"
+        proc = confined(plan, "import json; from scalelab.grade.sandbox import verify_network_isolation as v\n"
                                "print(json.dumps(v('user')))")
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout)
@@ -122,8 +91,8 @@ def test_throwaway_uid_cannot_read_hidden_paths_or_roots_files(open_tmp):
         print("root listing", type(e).__name__)
     """
     # private_tmp off: this test is about hiding named paths (the lab sits in /tmp, which is private by default)
-    shown = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False)), code)
-    hidden = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False,
+    shown = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False)), code)
+    hidden = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False,
                                                   hide=(str(lab), str(lonely)))), code)
     assert f"{lab / 'hidden_checks.py'} 'SECRET'" in shown.stdout  # readable unless hidden: the test can fail
     assert f"{lab / 'hidden_checks.py'} FileNotFoundError" in hidden.stdout, hidden.stderr
@@ -138,7 +107,7 @@ def test_throwaway_uid_cannot_read_hidden_paths_or_roots_files(open_tmp):
 
 def test_memory_limit_stops_a_big_allocation():
     plan = SandboxPlan(memory_bytes=512 * 2**20, memory_via="rlimit")
-    proc = _confined(plan, "x = bytearray(2 * 2**30)\nprint('allocated')")
+    proc = confined(plan, "x = bytearray(2 * 2**30)\nprint('allocated')")
     assert "MemoryError" in proc.stderr and "allocated" not in proc.stdout
 
 
@@ -166,7 +135,7 @@ def test_a_pid_hopping_daemon_dies_with_the_runs_pid_namespace(open_tmp):
     plan = plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False))
     assert plan.pidns
     try:
-        proc = _confined(plan, _hopper(beat))
+        proc = confined(plan, _hopper(beat))
         assert proc.stdout.strip() == "started", proc.stderr
         assert beat.exists()  # it did hop inside the run
         alive = _beats(beat, 0.5)  # before any clean-up of ours: the namespace's end took the daemon with it
@@ -209,15 +178,15 @@ def test_proc_shows_only_the_runs_own_processes():
         print(len(pids), os.getpid())
         print(chr(10).join(lines))
         """
-        confined = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)), code)
+        inside = confined(plan_sandbox(SandboxPolicy(memory_mb=None)), code)
         unconfined = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
     finally:
         witness.kill()
         witness.wait()
     assert "classmate-alice-secret" in unconfined.stdout  # the same look does see it on the host
-    assert "classmate-alice-secret" not in confined.stdout, confined.stdout
-    count, own_pid = map(int, confined.stdout.split("\n")[0].split())
-    assert count <= 3 and own_pid <= 3, confined.stdout  # the init, the confined process and nothing else
+    assert "classmate-alice-secret" not in inside.stdout, inside.stdout
+    count, own_pid = map(int, inside.stdout.split("\n")[0].split())
+    assert count <= 3 and own_pid <= 3, inside.stdout  # the init, the confined process and nothing else
 
 
 @root_only
@@ -237,7 +206,7 @@ def test_fork_bomb_hits_the_process_limit():
         print("stopped after", len(pids))
     """
     try:
-        proc = _confined(plan, code)
+        proc = confined(plan, code)
     finally:
         cleanup(plan)
     assert proc.stdout.startswith("stopped after"), proc.stderr
@@ -279,7 +248,7 @@ def test_grading_as_an_ordinary_user_works_and_says_what_it_could_not_do(open_tm
     print(json.dumps({{"status": r.status, "message": r.message, "sandbox": r.sandbox}}))
     """
     plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False), uid=65534)
-    proc = _confined(plan, code, timeout=180)
+    proc = confined(plan, code, timeout=180)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["status"] == "malformed" and "not valid JSON" in result["message"]  # the sandbox was applied
@@ -305,30 +274,17 @@ print("userns", plan.userns, "listing", os.listdir({str(open_tmp / 'lab')!r}))
 print("umount", subprocess.run(["umount", {str(open_tmp / 'lab')!r}], capture_output=True).returncode)
 """
     outer = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False), uid=65534)
-    proc = _confined(outer, f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])")
+    proc = confined(outer, f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])")
     if "userns False" in proc.stdout:
         pytest.skip("no unprivileged user namespaces on this kernel")
     assert "userns True listing []" in proc.stdout, proc.stderr
     assert "umount 0" not in proc.stdout
 
 
-def _fake_checkout(root: Path) -> Path:
-    """A second copy of a course checkout: its own scalelab-less tree with a lab holding hidden checks."""
-    (root / ".git").mkdir(parents=True)
-    (root / "pyproject.toml").write_text("[project]\nname = 'copy'\n")
-    lab = root / "labs" / "90_copy"
-    lab.mkdir(parents=True)
-    (lab / "hidden_checks.py").write_text("SECRET")
-    for p in (root, root / "labs", lab):
-        p.chmod(0o755)
-    (lab / "hidden_checks.py").chmod(0o644)
-    return lab
-
-
 @root_only
 def test_a_covered_checkout_shows_only_what_the_run_needs(open_tmp):
     # The checkout is covered whole: its labs (and any copy of them) vanish, the needed folder inside stays.
-    lab = _fake_checkout(open_tmp / "course")
+    lab = fake_checkout(open_tmp / "course")
     pkg = open_tmp / "course" / "pkg"
     pkg.mkdir(mode=0o755)
     (pkg / "mod.py").write_text("VALUE = 7\n")
@@ -345,14 +301,14 @@ def test_a_covered_checkout_shows_only_what_the_run_needs(open_tmp):
     print("pkg", open({str(pkg / 'mod.py')!r}).read().strip())
     print("hidden", os.path.exists({str(lab / 'hidden_checks.py')!r}))
     """
-    proc = _confined(plan, code)
+    proc = confined(plan, code)
     assert proc.returncode == 0, proc.stderr
     assert "listing ['pkg']" in proc.stdout and "pkg VALUE = 7" in proc.stdout and "hidden False" in proc.stdout
 
 
 def test_confinement_leaks_names_a_hidden_path_still_readable(tmp_path):
     # What the runner checks after confining itself: unapplied, the plan's hidden folder and file both leak.
-    lab = _fake_checkout(tmp_path / "course")
+    lab = fake_checkout(tmp_path / "course")
     lonely = tmp_path / "answer.txt"
     lonely.write_text("42")
     plan = SandboxPlan(hide=[str(lab), str(lonely), str(tmp_path / "gone")], cover=[str(tmp_path / "course")],
@@ -389,102 +345,3 @@ def test_hidden_paths_covers_every_checkout_and_keeps_what_runs_need(tmp_path):
     assert str(copy) in hide and str(copy / "labs" / "90_fixture") in hide  # no needed path inside: hidden whole
     assert str(runs) in cover  # holds the runs' package: covered, the package bound back
     assert str(runs / "scalelab") not in hide and str(base) not in hide
-
-
-@root_only
-def test_private_tmp_hides_what_others_left_there_and_keeps_the_runs_own_folder(open_tmp):
-    # A copy of the course left in /tmp by someone: invisible; the run's job folder (also in /tmp): writable.
-    lab = _fake_checkout(open_tmp / "stale-copy")
-    job = open_tmp / "job"
-    job.mkdir()
-    job.chmod(0o777)  # the grader chowns it to the throwaway uid; any uid will do here
-    plan = plan_sandbox(SandboxPolicy(memory_mb=None, workdir=str(job)))
-    assert "/tmp" in plan.private and plan.writable == [str(job)]
-    code = f"""
-    import os
-    print("stale", os.path.exists({str(lab / 'hidden_checks.py')!r}))
-    open({str(job / 'out.txt')!r}, "w").write("mine")
-    print("tmp", sorted(os.listdir("/tmp")), os.listdir({str(open_tmp)!r}))
-    open("/tmp/scratch", "w").write("x")
-    open("/dev/shm/scratch", "w").write("x")
-    """
-    proc = _confined(plan, code)
-    assert proc.returncode == 0, proc.stderr
-    assert "stale False" in proc.stdout
-    # /tmp shows the job's folder and what the run needs (the checkout scalelab is imported from, when that lies
-    # in /tmp, as in CI); the open folder shows the job only, not the stale copy beside it
-    needed_in_tmp = {Path(p).relative_to("/tmp").parts[0] for p in plan.expose if p.startswith("/tmp/")}
-    listing = proc.stdout.split("tmp ", 1)[1]
-    assert set(ast.literal_eval(listing.split("] ", 1)[0] + "]")) == {open_tmp.name} | needed_in_tmp, listing
-    assert listing.rstrip().endswith("['job']"), listing
-    assert (job / "out.txt").read_text() == "mine"  # written through the bind: it lands in the real folder
-    assert not Path("/tmp/scratch").exists() and not Path("/dev/shm/scratch").exists()  # private ones are gone
-
-
-SHM = """
-import ctypes, os
-libc = ctypes.CDLL(None, use_errno=True)
-IPC_CREAT = 0o1000
-print("host segment seen", libc.shmget({host_key}, 0, 0) != -1)
-seg = libc.shmget({run_key}, 4096, IPC_CREAT | 0o666)
-print("run segment made", seg != -1)
-"""
-
-
-def _shm_keys() -> set[int]:
-    out = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
-    return {int(line.split()[0], 16) for line in out.splitlines() if line.startswith("0x")}
-
-
-@root_only
-def test_shared_memory_of_a_run_is_its_own_and_gone_after_it():
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    host_key, run_key = 0x5C1A0001, 0x5C1A0002
-    host_seg = libc.shmget(host_key, 4096, 0o1000 | 0o600)
-    assert host_seg != -1
-    try:
-        proc = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)), SHM.format(host_key=host_key, run_key=run_key))
-        assert "host segment seen False" in proc.stdout, proc.stdout + proc.stderr
-        assert "run segment made True" in proc.stdout  # the control: the run could make one
-        assert run_key not in _shm_keys(), "the run's segment outlived it on the host"
-    finally:
-        libc.shmctl(host_seg, 0, None)  # IPC_RMID
-        if run_key in _shm_keys():  # only when the test failed: leave nothing behind
-            subprocess.run(["ipcrm", "-M", hex(run_key)], capture_output=True)
-
-
-@root_only
-def test_private_temporary_folders_are_size_limited_and_lock_folders_are_private(open_tmp):
-    (Path("/run/lock") / "scalelab-host-lock").write_text("host")
-    code = """
-    import errno
-    try:
-        with open("/dev/shm/big", "wb") as f:
-            for _ in range(64):
-                f.write(b"x" * 2**20)
-        print("wrote 64 MiB")
-    except OSError as e:
-        print("full", errno.errorcode[e.errno])
-    import os
-    print("host lock seen", os.path.exists("/run/lock/scalelab-host-lock"))
-    open("/var/lock/scalelab-run-lock", "w").write("run")
-    print("run lock made")
-    """
-    try:
-        proc = _confined(plan_sandbox(SandboxPolicy(memory_mb=None, tmp_mb=16)), code)
-        assert "full ENOSPC" in proc.stdout, proc.stdout + proc.stderr
-        assert "host lock seen False" in proc.stdout and "run lock made" in proc.stdout
-        assert not Path("/run/lock/scalelab-run-lock").exists(), "the run's lock file reached the host"
-    finally:
-        Path("/run/lock/scalelab-host-lock").unlink(missing_ok=True)
-        Path("/run/lock/scalelab-run-lock").unlink(missing_ok=True)
-
-
-@root_only
-def test_a_run_has_a_host_name_of_its_own_that_resolves():
-    # UTS namespace: the host's name is not the run's, and the run's resolves (gloo crashes on one that does not).
-    proc = _confined(plan_sandbox(SandboxPolicy(memory_mb=None)),
-                     "import socket; n = socket.gethostname(); print(n, socket.gethostbyname(n))")
-    assert proc.stdout.split() == ["localhost", "127.0.0.1"], proc.stderr
-    assert socket.gethostname() != "localhost"  # so the name inside did change

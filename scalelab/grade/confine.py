@@ -18,7 +18,7 @@ import struct
 import sys
 from pathlib import Path
 
-from .sandbox import SandboxError, SandboxPlan, blocking_ancestor, inside
+from .sandbox import PRIVATE_KEEP, SandboxError, SandboxPlan, blocking_ancestor, inside
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x40000000, 0x10000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWUTS = 0x20000000, 0x04000000
@@ -215,6 +215,9 @@ def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[s
         for t in private:
             _call("mount", b"tmpfs", os.fsencode(t), b"tmpfs", MS_NOSUID | MS_NODEV,
                   f"mode=1777,size={tmp_bytes}".encode())
+            for name in PRIVATE_KEEP.get(t, ()):
+                os.mkdir(os.path.join(t, name))
+                os.chmod(os.path.join(t, name), 0o1777)
         for p, readonly in sorted(binds):
             top = tops[p]
             if top is None:
@@ -279,6 +282,7 @@ def confinement_leaks(plan: SandboxPlan) -> list[str]:
             pass  # cannot be read: hidden enough
     for c in plan.cover + plan.private:
         allowed = {Path(p).relative_to(c).parts[0] for p in plan.expose + plan.writable if inside(p, c)}
+        allowed |= set(PRIVATE_KEEP.get(c, ()) if c in plan.private else ())
         try:
             extra = sorted(set(os.listdir(c)) - allowed)
         except OSError:

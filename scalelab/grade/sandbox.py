@@ -16,9 +16,9 @@ As root (the intended way to run a batch):
   students' submissions, the grading output). Whole checkouts (the one holding the lab, the one the grader and
   the runner's interpreter import scalelab from) are *covered*: an empty tmpfs with only what the run needs
   (the package folders, a venv inside it) bound back read-only, so no copy of a lab in them is visible;
-- private temporary folders: /tmp, /var/tmp and /dev/shm are fresh, empty tmpfs mounts (as systemd's
+- private temporary folders: /tmp, /var/tmp, /dev/shm and /run are fresh, empty tmpfs mounts (as systemd's
   PrivateTmp), with the run's own job folder (and anything it needs that lives there) bound back, so a copy of
-  the course someone left in /tmp is out of sight too;
+  the course someone left in /tmp is out of sight too, and no host daemon's Unix socket in /run is reachable;
 - after confining itself the run checks that every hidden path is gone (`confinement_leaks`) and refuses to
   start the notebook otherwise: a mount that did not take effect fails loudly instead of leaking;
 - memory: a cgroup v2 `memory.max` (+ `pids.max`) when a writable cgroup2 with the memory controller exists,
@@ -43,7 +43,10 @@ from ..errors import ScalelabError
 from ..run.procs import kill_processes
 
 UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
-PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # /var/lock is a link to /run/lock on Debian
+# /run too: the host daemons' sockets live there (D-Bus, journald, nscd, munge), and a filesystem socket, unlike
+# an abstract one, is not behind the network namespace
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+PRIVATE_KEEP = {"/run": ("lock",)}  # empty folders (1777) a private one starts with: /var/lock links to /run/lock
 
 
 class SandboxError(ScalelabError):
@@ -67,7 +70,7 @@ class SandboxPolicy:
     needed: tuple[str, ...] = ()
     """What the run must read (interpreter, venv, the scalelab it imports); empty: `needed_paths()` of this process."""
     private_tmp: bool = True
-    """Give the run empty /tmp, /var/tmp, /dev/shm and /run/lock of its own."""
+    """Give the run empty /tmp, /var/tmp, /dev/shm and /run (with an empty /run/lock) of its own."""
     tmp_mb: int = 512
     """Size limit of each private temporary folder (tmpfs lives in memory: unbounded, it outgrows memory_mb)."""
     workdir: str | None = None

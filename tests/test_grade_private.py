@@ -1,0 +1,166 @@
+"""The sandbox's private namespaces, each proven by an attempt: temporary folders, /run and the host daemons'
+sockets in it, System V shared memory, the host name. All need root (the grader's intended mode)."""
+from __future__ import annotations
+
+import ast
+import os
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+from scalelab.grade.sandbox import SandboxPolicy, plan_sandbox
+from sandbox_helpers import _as_root, confined, fake_checkout, open_tmp, root_only  # noqa: F401 (fixtures)
+
+
+@root_only
+def test_private_tmp_hides_what_others_left_there_and_keeps_the_runs_own_folder(open_tmp):
+    # A copy of the course left in /tmp by someone: invisible; the run's job folder (also in /tmp): writable.
+    lab = fake_checkout(open_tmp / "stale-copy")
+    job = open_tmp / "job"
+    job.mkdir()
+    job.chmod(0o777)  # the grader chowns it to the throwaway uid; any uid will do here
+    plan = plan_sandbox(SandboxPolicy(memory_mb=None, workdir=str(job)))
+    assert "/tmp" in plan.private and plan.writable == [str(job)]
+    code = f"""
+    import os
+    print("stale", os.path.exists({str(lab / 'hidden_checks.py')!r}))
+    open({str(job / 'out.txt')!r}, "w").write("mine")
+    print("tmp", sorted(os.listdir("/tmp")), os.listdir({str(open_tmp)!r}))
+    open("/tmp/scratch", "w").write("x")
+    open("/dev/shm/scratch", "w").write("x")
+    """
+    proc = confined(plan, code)
+    assert proc.returncode == 0, proc.stderr
+    assert "stale False" in proc.stdout
+    # /tmp shows the job's folder and what the run needs (the checkout scalelab is imported from, when that lies
+    # in /tmp, as in CI); the open folder shows the job only, not the stale copy beside it
+    needed_in_tmp = {Path(p).relative_to("/tmp").parts[0] for p in plan.expose if p.startswith("/tmp/")}
+    listing = proc.stdout.split("tmp ", 1)[1]
+    assert set(ast.literal_eval(listing.split("] ", 1)[0] + "]")) == {open_tmp.name} | needed_in_tmp, listing
+    assert listing.rstrip().endswith("['job']"), listing
+    assert (job / "out.txt").read_text() == "mine"  # written through the bind: it lands in the real folder
+    assert not Path("/tmp/scratch").exists() and not Path("/dev/shm/scratch").exists()  # private ones are gone
+
+
+SHM = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_CREAT = 0o1000
+print("host segment seen", libc.shmget({host_key}, 0, 0) != -1)
+seg = libc.shmget({run_key}, 4096, IPC_CREAT | 0o666)
+print("run segment made", seg != -1)
+"""
+
+
+def _shm_keys() -> set[int]:
+    out = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
+    return {int(line.split()[0], 16) for line in out.splitlines() if line.startswith("0x")}
+
+
+@root_only
+def test_shared_memory_of_a_run_is_its_own_and_gone_after_it():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    host_key, run_key = 0x5C1A0001, 0x5C1A0002
+    host_seg = libc.shmget(host_key, 4096, 0o1000 | 0o600)
+    assert host_seg != -1
+    try:
+        proc = confined(plan_sandbox(SandboxPolicy(memory_mb=None)), SHM.format(host_key=host_key, run_key=run_key))
+        assert "host segment seen False" in proc.stdout, proc.stdout + proc.stderr
+        assert "run segment made True" in proc.stdout  # the control: the run could make one
+        assert run_key not in _shm_keys(), "the run's segment outlived it on the host"
+    finally:
+        libc.shmctl(host_seg, 0, None)  # IPC_RMID
+        if run_key in _shm_keys():  # only when the test failed: leave nothing behind
+            subprocess.run(["ipcrm", "-M", hex(run_key)], capture_output=True)
+
+
+@root_only
+def test_private_temporary_folders_are_size_limited_and_lock_folders_are_private(open_tmp):
+    (Path("/run/lock") / "scalelab-host-lock").write_text("host")
+    code = """
+    import errno
+    try:
+        with open("/dev/shm/big", "wb") as f:
+            for _ in range(64):
+                f.write(b"x" * 2**20)
+        print("wrote 64 MiB")
+    except OSError as e:
+        print("full", errno.errorcode[e.errno])
+    import os
+    print("host lock seen", os.path.exists("/run/lock/scalelab-host-lock"))
+    open("/var/lock/scalelab-run-lock", "w").write("run")
+    print("run lock made")
+    """
+    try:
+        proc = confined(plan_sandbox(SandboxPolicy(memory_mb=None, tmp_mb=16)), code)
+        assert "full ENOSPC" in proc.stdout, proc.stdout + proc.stderr
+        assert "host lock seen False" in proc.stdout and "run lock made" in proc.stdout
+        assert not Path("/run/lock/scalelab-run-lock").exists(), "the run's lock file reached the host"
+    finally:
+        Path("/run/lock/scalelab-host-lock").unlink(missing_ok=True)
+        Path("/run/lock/scalelab-run-lock").unlink(missing_ok=True)
+
+
+@root_only
+def test_a_run_has_a_host_name_of_its_own_that_resolves():
+    # UTS namespace: the host's name is not the run's, and the run's resolves (gloo crashes on one that does not).
+    proc = confined(plan_sandbox(SandboxPolicy(memory_mb=None)),
+                     "import socket; n = socket.gethostname(); print(n, socket.gethostbyname(n))")
+    assert proc.stdout.split() == ["localhost", "127.0.0.1"], proc.stderr
+    assert socket.gethostname() != "localhost"  # so the name inside did change
+
+
+UNIX_CONNECT = """
+import socket
+for where in {wheres!r}:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(where); print("reached", repr(where), s.recv(16).decode())
+    except OSError as e:
+        print("unreachable", repr(where), type(e).__name__)
+"""
+
+
+@root_only
+def test_a_host_daemons_unix_socket_in_run_is_out_of_reach():
+    # D-Bus, journald, nscd and munge listen on sockets in /run, most of them 0666: a network namespace does not
+    # cover a filesystem socket (an abstract one it does). The run's /run is its own, so neither is reachable.
+    path = f"/run/scalelab-test-{os.getpid()}.sock"
+    abstract = f"\0scalelab-test-{os.getpid()}"
+    servers = []
+    for where in (path, abstract):
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(where)
+        srv.listen(4)
+        servers.append(srv)
+    os.chmod(path, 0o666)
+    stop = threading.Event()
+
+    def serve(srv):
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conn.sendall(b"host daemon")
+            conn.close()
+    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        wheres = [path, "/var/run" + path[len("/run"):], abstract]
+        run = confined(plan_sandbox(SandboxPolicy(memory_mb=None)), UNIX_CONNECT.format(wheres=wheres))
+        assert run.stdout.count("unreachable") == 3, run.stdout + run.stderr
+        # the control: the same throwaway user, with the host's /run and network, reaches both
+        shared = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False, network=True)),
+                          UNIX_CONNECT.format(wheres=[path, abstract]))
+        assert shared.stdout.count("reached") == 2 and "host daemon" in shared.stdout, shared.stdout + shared.stderr
+        assert "uid" not in run.stderr and run.returncode == 0, run.stderr
+    finally:
+        stop.set()
+        for s in servers:
+            s.close()
+        Path(path).unlink(missing_ok=True)
