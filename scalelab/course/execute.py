@@ -48,6 +48,7 @@ from typing import Any
 
 from ..errors import ScalelabError
 from ..record import read_records
+from .lab import cell_source
 
 STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "malformed")
 # papermill strips cells with this tag on re-execution; we tag our own markers with it too.
@@ -330,10 +331,9 @@ def _make_error(status, path, out, found, cell_timeout, total_timeout, message) 
     if status == "ok":
         return None
     cell = found.get("cell", {})
-    src = cell.get("source", "")
     kw = {"cell_index": found.get("cell_index"), "cell_id": cell.get("id"),
           "cell_tags": [t for t in cell.get("metadata", {}).get("tags", []) if t not in PLUMBING_TAGS],
-          "source": "".join(src) if isinstance(src, list) else src}
+          "source": cell_source(cell)}
     where = f"cell {kw['cell_index']} (id {kw['cell_id']!r}, tags {list(kw['cell_tags'])})"
     paths = (str(path), str(out))
     if status == "cell_error":

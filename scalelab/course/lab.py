@@ -135,6 +135,13 @@ def is_private(relpath: str | Path) -> bool:
     return any(fnmatch.fnmatch(part, pattern) for part in Path(relpath).parts for pattern in PRIVATE)
 
 
+def cell_source(cell: dict) -> str:
+    """A notebook cell's source as one string (nbformat allows a list of lines; a student's file may hold other
+    things in that list, which are skipped)."""
+    src = cell.get("source", "")
+    return "".join(x for x in src if isinstance(x, str)) if isinstance(src, list) else str(src)
+
+
 def parameter_defaults(notebook: str | Path) -> dict[str, Any]:
     """Literal defaults of the cell tagged `parameters` ({} when there is none or it is not plain literals)."""
     import ast
@@ -146,7 +153,7 @@ def parameter_defaults(notebook: str | Path) -> dict[str, Any]:
     for cell in nb.get("cells", []):
         if "parameters" not in cell.get("metadata", {}).get("tags", []):
             continue
-        source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
+        source = cell_source(cell)
         out = {}
         try:
             tree = ast.parse(source)
@@ -188,7 +195,7 @@ def parameter_table(notebook: str | Path) -> dict[str, tuple[Any, Any]]:
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "markdown":
             continue
-        lines = ("".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")).split("\n")
+        lines = cell_source(cell).split("\n")
         for i, line in enumerate(lines):
             if [c.strip() for c in line.strip().strip("|").split("|")] != ["parameter", "CPU default", "GPU node"]:
                 continue

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..paths import labs_dir, student_labs_dir
 from .solutions import replace_solutions
-from .lab import NOTEBOOK, GradingError, find_labs, student_files
+from .lab import NOTEBOOK, GradingError, cell_source, find_labs, student_files
 
 PLACEHOLDER = ("# YOUR CODE HERE", 'raise NotImplementedError("exercise")')
 #: The course kernel (kernels/scalelab, installed by the hub and `scalelab kernels install`): student copies open on it.
@@ -78,7 +78,7 @@ def student_notebook(nb: dict, where: str = "lab.ipynb") -> tuple[dict, int]:
             meta.pop(key, None)
         if cell.get("cell_type") != "code":
             continue
-        source = "".join(cell["source"]) if isinstance(cell.get("source"), list) else cell.get("source", "")
+        source = cell_source(cell)
         new, blocks = strip_solutions(source, f"{where}: cell {index} (id {cell.get('id')!r})")
         cell["source"], cell["outputs"], cell["execution_count"] = new, [], None
         goes_on = goes_on or bool(blocks)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ScalelabError
-from .lab import NOTEBOOK, Lab, find_labs, load_lab, student_files
+from .lab import NOTEBOOK, Lab, cell_source, find_labs, load_lab, student_files
 from .release import release_lab
 from .solutions import replace_solutions
 from ..paths import checkout_root
@@ -207,7 +207,7 @@ def lab_page(executed: dict, lab: Lab, download: str | None = None, stamp: dict 
         for key in RUN_METADATA:
             meta.pop(key, None)
         if cell.get("cell_type") == "code":
-            source = _text(cell.get("source", ""))
+            source = cell_source(cell)
             cell["source"], _ = hide_solutions(source, f"{lab.name}/{NOTEBOOK}: cell {index} (id {cell.get('id')!r})")
             cell["outputs"] = [o for o in map(_page_output, cell.get("outputs", [])) if o is not None]
         cells.append(cell)
@@ -215,10 +215,6 @@ def lab_page(executed: dict, lab: Lab, download: str | None = None, stamp: dict 
     for key in RUN_METADATA:
         nb.setdefault("metadata", {}).pop(key, None)
     return nb
-
-
-def _text(source) -> str:
-    return "".join(source) if isinstance(source, list) else source
 
 
 def _page_output(output: dict) -> dict | None:
@@ -254,7 +250,7 @@ def _with_note(cells: list[dict], note: str) -> list[dict]:
     """Put `note` right under the notebook's title (or first, when it has none)."""
     note_cell = {"cell_type": "markdown", "id": "scalelab-site-note", "metadata": {}, "source": note}
     if cells and cells[0].get("cell_type") == "markdown":
-        first = _text(cells[0].get("source", ""))
+        first = cell_source(cells[0])
         title, sep, rest = first.partition("\n")
         if title.startswith("# "):
             head = {**cells[0], "source": title + "\n"}

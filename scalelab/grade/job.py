@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, find_labs, student_files
+from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, cell_source, find_labs, student_files
 from ..course.release import student_file
 from ..paths import checkout_root, labs_dir, read_beneath, scheduler_paths
 from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths, runner_needed_paths
@@ -101,12 +101,12 @@ def guard_parameters(notebook: Path, reference: Path, parameters: dict) -> list[
     nb["metadata"] = meta
     mine = next((i for i, c in enumerate(cells) if "parameters" in _tags(c)), None)
     theirs = _parameters_source(reference)
-    if mine is not None and theirs is not None and _squash(_source(cells[mine])) != _squash(theirs):
+    if mine is not None and theirs is not None and _squash(cell_source(cells[mine])) != _squash(theirs):
         notes.append("your parameters cell differs from the lab's: the grader's values of "
                      f"{sorted(parameters)} were set right after it; the rest of your changes there were kept")
     if mine is not None and parameters:
         for i, c in enumerate(cells[mine + 1:], start=mine + 1):
-            hit = sorted(_assigned(_source(c)) & set(parameters)) if c.get("cell_type") == "code" else []
+            hit = sorted(_assigned(cell_source(c)) & set(parameters)) if c.get("cell_type") == "code" else []
             if hit:
                 notes.append(f"cell {i} assigns {hit}, which the grader sets as parameters: the values the "
                              "grader chose were overwritten there")
@@ -120,11 +120,6 @@ def _tags(cell: dict) -> list:
     return tags if isinstance(tags, list) else []
 
 
-def _source(cell: dict) -> str:
-    src = cell.get("source", "")
-    return "".join(x for x in src if isinstance(x, str)) if isinstance(src, list) else str(src)
-
-
 def _squash(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines() if line.strip())
 
@@ -134,7 +129,7 @@ def _parameters_source(reference: Path) -> str | None:
         cells = json.loads(reference.read_text(encoding="utf-8"))["cells"]
     except (OSError, ValueError, KeyError):
         return None
-    return next((_source(c) for c in cells if "parameters" in _tags(c)), None)
+    return next((cell_source(c) for c in cells if "parameters" in _tags(c)), None)
 
 
 def _assigned(code: str) -> set[str]:
