@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,8 @@ from scalelab.course.release import release_lab
 from scalelab.grade.checks import lab_checks, run_checks
 from scalelab.grade.evidence import RUNS, run_evidence
 from scalelab.grade.grader import GradeOptions, grade
+
+from labtests import TwoInFlight
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -373,15 +374,9 @@ def batches(request, tmp_path_factory):
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
               if item.module is request.module]
     selected = sorted({p["graded"] for p in params if "graded" in p})
-    futures = {}
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="forgery") as pool:
-        def get(name: str):
-            later = selected[selected.index(name) + 1:] if name in selected else []
-            for n in (name, *later[:1]):
-                if n not in futures:
-                    futures[n] = pool.submit(_grade_forgeries, n, tmp_path_factory.mktemp(n))
-            return futures[name].result()
-        yield get
+    batches = TwoInFlight(selected, lambda n: _grade_forgeries(n, tmp_path_factory.mktemp(n)), "forgery")
+    yield batches.result
+    batches.close()
 
 
 @pytest.fixture(scope="module", params=sorted(FORGERIES))

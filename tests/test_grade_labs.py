@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,12 @@ from scalelab.grade.grader import GradeOptions, grade
 from scalelab.course.lab import load_lab, student_files
 from scalelab.course.release import release_lab
 
+from labtests import TwoInFlight
+
 ROOT = Path(__file__).resolve().parent.parent
 LABS = sorted(p.parent for p in (ROOT / "labs").glob("*/lab.ipynb"))
 LEGACY = ROOT / "tests" / "fixtures" / "legacy"  # submissions made before the modules moved (see its README)
+LABS_BY_NAME = {p.name: p for p in LABS}
 labs = pytest.mark.parametrize("lab", LABS, ids=[p.name for p in LABS])
 FIXTURE = ROOT / "tests" / "fixtures" / "grading"
 
@@ -77,35 +79,25 @@ class LabGradings:
     was graded under load the whole time."""
 
     def __init__(self, labs: list[Path], tmp: Path):
-        self.labs, self.tmp, self.lock = labs, tmp, threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grade-lab")
-        self.futures, self.starts, self.ends = {}, {}, {}
+        self.tmp, self.lock, self.starts, self.ends = tmp, threading.Lock(), {}, {}
+        self.in_flight = TwoInFlight([lab.name for lab in labs], self._grade, "grade-lab")
         self.other = OtherBatch(tmp / "other", needed=lambda: self.active < 2)
 
     @property
     def active(self) -> int:
         return len(self.starts) - len(self.ends)
 
-    def _grade(self, lab: Path):
+    def _grade(self, name: str):
         with self.lock:
-            self.starts[lab.name] = time.monotonic()
+            self.starts[name] = time.monotonic()
         try:
-            return _grade_lab(lab, self.tmp / lab.name)
+            return _grade_lab(LABS_BY_NAME[name], self.tmp / name)
         finally:
             with self.lock:
-                self.ends[lab.name] = time.monotonic()
-
-    def _start(self, lab: Path):
-        with self.lock:
-            if lab.name not in self.futures:
-                self.futures[lab.name] = self.pool.submit(self._grade, lab)
+                self.ends[name] = time.monotonic()
 
     def result(self, lab: Path):
-        self._start(lab)
-        later = self.labs[self.labs.index(lab) + 1:] if lab in self.labs else []
-        if later:
-            self._start(later[0])
-        return self.futures[lab.name].result()
+        return self.in_flight.result(lab.name)
 
     def load_share(self, lab: Path) -> float:
         """The share of the lab's grading during which another lab's batch or a fixture round was running."""
@@ -126,7 +118,7 @@ class LabGradings:
         return self
 
     def __exit__(self, *exc):
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.in_flight.close()
         self.other.__exit__(*exc)
 
 
