@@ -17,10 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scalelab.grade.sandbox import (UID_RANGE, SandboxError, SandboxPlan, SandboxPolicy, blocking_ancestor, cleanup,
+from scalelab.grade.sandbox import (UID_RANGE, SandboxError, SandboxPlan, SandboxPolicy, blocking_ancestor,
                                     plan_sandbox)
 from scalelab.grade.confine import confinement_leaks
 from scalelab.grade.sandbox import verify_network_isolation
+from scalelab.grade.reap import cleanup
 from sandbox_helpers import _as_root, confined, fake_checkout, open_tmp, root_only  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))

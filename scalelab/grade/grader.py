@@ -38,7 +38,8 @@ from .report import file_key
 from .evidence import RUNS, run_evidence, strip_grader_records
 from .job import copy_submission, guard_parameters, hidden_paths, job_base, run_job, runs_need, working_copy
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
-from .sandbox import SandboxPlan, SandboxPolicy, cleanup, plan_sandbox
+from .reap import cleanup
+from .sandbox import SandboxPlan, SandboxPolicy, plan_sandbox
 from .untrusted import (MAX_OUTPUT_CHARS, UntrustedFileError, cap_notebook, cap_text, load_json_beneath,
                         tolerant_records)
 

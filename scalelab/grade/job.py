@@ -22,7 +22,8 @@ from pathlib import Path
 from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, cell_source, find_labs, student_files
 from ..course.release import student_file
 from ..paths import checkout_root, labs_dir, read_beneath, scheduler_paths
-from .sandbox import SandboxPlan, blocking_ancestor, cleanup, needed_paths, runner_needed_paths
+from .reap import cleanup
+from .sandbox import SandboxPlan, blocking_ancestor, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
 RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit

@@ -1,7 +1,7 @@
 """Confine one submission's run: a throwaway user, no network, hidden paths, memory and process limits.
 
 The grader (parent, this module) works out a `SandboxPlan` from a `SandboxPolicy` with `plan_sandbox()`: what
-this machine allows, with a note for everything it does not, and `cleanup()` ends what a run left. The sandboxed
+this machine allows, with a note for everything it does not, and `reap.cleanup()` ends what a run left. The sandboxed
 process (`scalelab.grade.runner`) calls `scalelab.grade.confine.apply_sandbox(plan)` on itself *before* any student code exists in it; everything it starts afterwards — the
 papermill child, the kernel, whatever the kernel starts — inherits the confinement.
 
@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ScalelabError
-from ..run.procs import kill_processes
 
 UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
 # /run too: the host daemons' sockets live there (D-Bus, journald, nscd, munge), and a filesystem socket, unlike
@@ -319,91 +318,6 @@ def _make_cgroup(base: str, plan: SandboxPlan) -> str:
     return str(path)
 
 
-# -- after the run (in the grader) -------------------------------------------------------------------------------
-
-def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
-    """Kill whatever of the run is left (runner tree, cgroup, throwaway uid); remove the cgroup. Returns count.
-
-    The runner tree goes first: killing the run's init ends its PID namespace and everything in it. Then every
-    process of the throwaway uid, with kill(-1) *as that uid* until none is left: one system call reaches them
-    all at once, so a daemon that keeps forking (its pid changing all the time) cannot slip through a list.
-    """
-    killed = 0
-    if runner_pid is not None:
-        runner = _proc(runner_pid)
-        if runner is not None:
-            killed += kill_processes([runner, *_children(runner)], grace_s=0, tree=False)
-    victims = {}
-    if plan.uid is not None and UID_RANGE[0] <= plan.uid < UID_RANGE[1]:
-        killed += kill_uid(plan.uid, plan.gid)
-    elif plan.uid is not None:  # a uid given by hand (tests): only what a list finds
-        victims.update((pid, _proc(pid)) for pid in uid_processes(plan.uid))
-    if plan.cgroup and Path(plan.cgroup, "cgroup.procs").exists():
-        for pid in Path(plan.cgroup, "cgroup.procs").read_text().split():
-            victims.setdefault(int(pid), _proc(int(pid)))
-    killed += kill_processes([p for p in victims.values() if p is not None], grace_s=0, tree=False)
-    if plan.cgroup:
-        for _ in range(50):  # the kernel frees a cgroup a moment after its last process exits
-            try:
-                os.rmdir(plan.cgroup)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
-    return killed
-
-
-def uid_processes(uid: int) -> list[int]:
-    """Pids of every live process with `uid` as its real, effective or saved uid (zombies are dead already: only
-    their parent's wait removes them, and an orphan's parent is the machine's init)."""
-    import psutil
-    found = []
-    for p in psutil.process_iter(["uids", "status"]):
-        if p.info["uids"] and uid in p.info["uids"] and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p.pid)
-    return found
-
-
-def kill_uid(uid: int, gid: int | None = None, rounds: int = 50) -> int:
-    """SIGKILL every process of the throwaway `uid` (root only), repeating until none is left; returns how many.
-
-    `kill -KILL -1` (procps) run *as* `uid` signals every process that uid may signal, all in one pass of the kernel over
-    the process table (no fork can slip in while it runs). Never call it with a uid anyone else uses.
-    """
-    if not UID_RANGE[0] <= uid < UID_RANGE[1]:
-        raise SandboxError(f"refusing to kill every process of uid {uid}: not a throwaway uid of the grader")
-    count = 0
-    for _ in range(rounds):
-        # Kill first, then look: a list of a hopping daemon's pids is out of date before it is finished, so an
-        # empty look before the kill would prove nothing.
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=gid if gid is not None else uid,
-                       extra_groups=[], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/", timeout=30)
-        time.sleep(0.05)
-        left = uid_processes(uid)
-        if not left:
-            return count
-        count += len(left)
-    raise SandboxError(f"processes of uid {uid} survive {rounds} rounds of SIGKILL: {uid_processes(uid)[:10]}")
-
-
-def _proc(pid):
-    import psutil
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
-
-
-def _children(proc):
-    import psutil
-    try:
-        return proc.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
 # -- proving the network is cut ----------------------------------------------------------------------------------
 
 _NET_CACHE: dict[str, dict] = {}
@@ -439,6 +353,6 @@ def verify_network_isolation(mode: str) -> dict:
     return result
 
 
-__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "cleanup", "kill_uid", "uid_processes", "gpu_devices",
+__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "gpu_devices",
            "verify_network_isolation", "free_uid", "cgroup2_base", "needed_paths", "runner_needed_paths", "bind_target",
            "blocking_ancestor", "inside"]
