@@ -6,6 +6,7 @@ import ast
 import os
 import socket
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -164,3 +165,51 @@ def test_a_host_daemons_unix_socket_in_run_is_out_of_reach():
         for s in servers:
             s.close()
         Path(path).unlink(missing_ok=True)
+
+
+# Files of 8 MiB each, so the per-file RLIMIT_FSIZE is never what stops the run: only a cap on the folder does.
+FILL = """import errno
+written, stopped = 0, None
+try:
+    for i in range(12):
+        with open(f"filler-{i}", "wb") as f:
+            for _ in range(8):
+                f.write(b"x" * 2**20)
+                f.flush()
+                written += 1
+except OSError as e:
+    stopped = errno.errorcode[e.errno]
+record("filled_mb", written)
+record("stopped_by", stopped)"""
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    return [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+            if line.split()[1].startswith(str(folder))]
+
+
+@root_only
+def test_a_run_that_fills_its_job_folder_stops_there_not_on_the_hosts_disk(open_tmp, tmp_path):
+    # RLIMIT_FSIZE caps one file; a run writing file after file filled the workdir's disk (the host's /tmp) for
+    # everyone until its time ran out. As root each job folder is a tmpfs of job_mb: the run gets ENOSPC there.
+    import json
+    from scalelab.grade.grader import GradeOptions, grade
+    from scalelab.record import read_records
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
+    import make_fixtures
+    sub = tmp_path / "filler.ipynb"
+    ex1, ex2 = make_fixtures.solved(make_fixtures.EX1), make_fixtures.solved(make_fixtures.EX2)
+    sub.write_text(json.dumps(make_fixtures.lab_cells(ex1, ex2, [FILL])))
+    got = {}
+    for name, cap in (("capped", 40), ("open", None)):  # the control: the same run on the workdir's filesystem
+        batch = grade(make_fixtures.LAB, [sub], tmp_path / name, GradeOptions(job_mb=cap, workdir=str(open_tmp)))
+        result = batch.results[0]
+        got[name] = (result, read_records(tmp_path / name / "notebooks" / "filler.ipynb"))
+        assert not _mounts_under(open_tmp), "a job folder's tmpfs outlived its run"
+        assert not list(open_tmp.glob("scalelab-grade-*/*")), "a job folder outlived its run"
+    (capped, capped_records), (open_, open_records) = got["capped"], got["open"]
+    assert capped_records["stopped_by"] == "ENOSPC" and capped_records["filled_mb"] < 40, capped_records
+    assert capped.sandbox["job_folder"] == "40 MiB tmpfs"
+    assert capped.percent == open_.percent == 100, (capped.message, open_.message)  # the rest of it still graded
+    assert open_records["stopped_by"] is None and open_records["filled_mb"] == 96, open_records
+    assert open_.sandbox["job_folder"] == "on the workdir's filesystem, not capped"

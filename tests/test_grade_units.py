@@ -311,7 +311,7 @@ def test_grade_and_labs_release_cli_surface_is_frozen():
     commands = build_parser()._subparsers._group_actions[0].choices
     flags = {opt for a in commands["grade"]._actions for opt in a.option_strings}
     assert {"-j", "--jobs", "--out", "--set", "--cell-timeout", "--total-timeout", "--memory-mb", "--allow-network",
-            "--no-sandbox", "--hide", "--workdir", "--keep-workdirs", "--json"} <= flags
+            "--no-sandbox", "--hide", "--workdir", "--keep-workdirs", "--job-mb", "--json"} <= flags
     release = commands["labs"]._subparsers._group_actions[0].choices["release"]
     assert {"--out", "--labs-root"} <= {opt for a in release._actions for opt in a.option_strings}
 

@@ -36,6 +36,9 @@ def add_cli(subparsers) -> None:
                    help="another path submissions must not see (e.g. a copy of hidden checks); repeatable")
     g.add_argument("--workdir", help="where job folders are made (default: the temporary folder)")
     g.add_argument("--keep-workdirs", action="store_true", help="keep each job folder (for debugging)")
+    g.add_argument("--job-mb", type=int, default=2048, metavar="MIB",
+                   help="as root, each job folder is a tmpfs of this size (default 2048): a run cannot fill the "
+                        "disk; 0: not capped")
     g.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     g.set_defaults(func=grade_command)
 
@@ -136,11 +139,13 @@ def grade_command(args) -> int:
     from ..course.release import resolve_lab
     if args.jobs < 1:
         raise GradingError(f"-j/--jobs must be >= 1, got {args.jobs}")
+    if args.job_mb < 0:
+        raise GradingError(f"--job-mb must be a size in MiB (0: not capped), got {args.job_mb}")
     options = GradeOptions(jobs=args.jobs, parameters=_parameters(args.set) or None,
                            cell_timeout_s=args.cell_timeout, total_timeout_s=args.total_timeout,
                            memory_mb=args.memory_mb, network=True if args.allow_network else None,
                            sandbox=not args.no_sandbox, hide=tuple(args.hide), workdir=args.workdir,
-                           keep_workdirs=args.keep_workdirs)
+                           keep_workdirs=args.keep_workdirs, job_mb=args.job_mb or None)
 
     def progress(r):
         if not args.json:

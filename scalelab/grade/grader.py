@@ -36,7 +36,8 @@ from typing import Any, Callable
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .report import file_key
 from .evidence import RUNS, run_evidence, strip_grader_records
-from .job import copy_submission, guard_parameters, hidden_paths, job_base, run_job, runs_need, working_copy
+from .job import (cap_job_folder, copy_submission, guard_parameters, hidden_paths, job_base, release_job_folder,
+                  run_job, runs_need, working_copy)
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
 from .reap import cleanup
 from .sandbox import SandboxPlan, SandboxPolicy, plan_sandbox
@@ -65,6 +66,9 @@ class GradeOptions:
     workdir: str | None = None
     """Where job folders are made (default: the temporary folder); must be enterable by other users."""
     keep_workdirs: bool = False
+    job_mb: int | None = 2048
+    """As root with the sandbox: each job folder is a tmpfs of this size, so a run cannot fill the host's disk
+    (None, or --keep-workdirs: folders on the workdir's filesystem, not capped)."""
     max_notebook_mb: int = 64
     """Largest executed notebook the grader reads back (its records are lost beyond that)."""
     continue_on_error: bool = True
@@ -230,40 +234,46 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     key = file_key(sub.student)
     started = time.time()  # no event of this run can be older: its working copy does not exist yet
     job = Path(tempfile.mkdtemp(prefix=f"{key[:40]}-", dir=ctx.base))
-    result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
-    problem = copy_submission(sub.path, job / "work")
-    parameters = {**settings.parameters, **(opts.parameters or {})}
-    if not problem:
-        result.notes += guard_parameters(job / "work" / NOTEBOOK, ctx.lab.path / NOTEBOOK, parameters)
-    own = sub.path.parent if sub.path.name == NOTEBOOK else None  # <student>/lab.ipynb: the folder is theirs
-    taken = working_copy(ctx.lab, job, own)
-    shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
-    policy = SandboxPolicy(memory_mb=opts.memory_mb or settings.memory_mb,
-                           network=settings.network if opts.network is None else opts.network,
-                           hide=tuple(ctx.hide), cover=tuple(ctx.cover), needed=tuple(ctx.needed),
-                           workdir=str(job))
-    if opts.sandbox:
-        plan = plan_sandbox(policy)
-    else:
-        plan = SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
-                                                     "unconfined as the grader's user"])
-    result.sandbox = plan.describe()
-    if taken:
-        result.notes.append(f"your own versions of {taken} were used")
+    capped = opts.sandbox and not opts.keep_workdirs and cap_job_folder(job, opts.job_mb)
     try:
-        if problem:
-            outcome = {"status": "malformed", "message": problem}
+        result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
+        problem = copy_submission(sub.path, job / "work")
+        parameters = {**settings.parameters, **(opts.parameters or {})}
+        if not problem:
+            result.notes += guard_parameters(job / "work" / NOTEBOOK, ctx.lab.path / NOTEBOOK, parameters)
+        own = sub.path.parent if sub.path.name == NOTEBOOK else None  # <student>/lab.ipynb: the folder is theirs
+        taken = working_copy(ctx.lab, job, own)
+        shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
+        policy = SandboxPolicy(memory_mb=opts.memory_mb or settings.memory_mb,
+                               network=settings.network if opts.network is None else opts.network,
+                               hide=tuple(ctx.hide), cover=tuple(ctx.cover), needed=tuple(ctx.needed),
+                               workdir=str(job))
+        if opts.sandbox:
+            plan = plan_sandbox(policy)
         else:
-            outcome = run_job(job, plan, parameters,
-                              opts.cell_timeout_s or settings.cell_timeout_s,
-                              opts.total_timeout_s or settings.total_timeout_s,
-                              ctx.out / "instructor" / "logs" / f"{key}.log",
-                              continue_on_error=opts.continue_on_error)
+            plan = SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
+                                                         "unconfined as the grader's user"])
+        result.sandbox = {**plan.describe(), "job_folder": f"{opts.job_mb} MiB tmpfs" if capped else
+                          "on the workdir's filesystem, not capped"}
+        if taken:
+            result.notes.append(f"your own versions of {taken} were used")
+        try:
+            if problem:
+                outcome = {"status": "malformed", "message": problem}
+            else:
+                outcome = run_job(job, plan, parameters,
+                                  opts.cell_timeout_s or settings.cell_timeout_s,
+                                  opts.total_timeout_s or settings.total_timeout_s,
+                                  ctx.out / "instructor" / "logs" / f"{key}.log",
+                                  continue_on_error=opts.continue_on_error)
+        finally:
+            cleanup(plan)
+        _collect(ctx, job, sub, outcome, result, shipped, started)
     finally:
-        cleanup(plan)
-    _collect(ctx, job, sub, outcome, result, shipped, started)
-    if not opts.keep_workdirs:
-        shutil.rmtree(job, ignore_errors=True)
+        if capped:
+            release_job_folder(job)
+        if not opts.keep_workdirs:
+            shutil.rmtree(job, ignore_errors=True)
     return result
 
 

@@ -26,6 +26,8 @@ from .reap import cleanup
 from .sandbox import SandboxPlan, blocking_ancestor, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
 
+MNT_DETACH = 2
+
 RUNNER_GRACE_S = 60.0  # kernel start-up and papermill's own clean-up on top of the notebook's total limit
 MAX_SUBMISSION_BYTES = 32 * 2**20
 # The runner starts as root in the job's work folder, which holds student files (the notebook, the lab's modules):
@@ -251,6 +253,23 @@ def chown_tree(root: Path, uid: int, gid: int) -> None:
         os.lchown(dirpath, uid, gid)
         for name in filenames:
             os.lchown(os.path.join(dirpath, name), uid, gid)
+
+
+def cap_job_folder(job: Path, size_mb: int | None) -> bool:
+    """As root: mount a tmpfs of `size_mb` on the (still empty) job folder, so a run that writes without end fills
+    its own folder (ENOSPC) and not the grading host's disk, which RLIMIT_FSIZE (one file) does not prevent. The
+    tmpfs lives in memory, charged to the run's cgroup where there is one. Returns whether it was mounted."""
+    if size_mb is None or os.geteuid() != 0:
+        return False
+    from .confine import MS_NODEV, MS_NOSUID, _call
+    _call("mount", b"tmpfs", os.fsencode(job), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=0700".encode())
+    return True
+
+
+def release_job_folder(job: Path) -> None:
+    """Unmount a capped job folder (detached: the run's processes are gone by now); its contents go with it."""
+    from .confine import _call
+    _call("umount2", os.fsencode(job), MNT_DETACH)
 
 
 def job_base(workdir: str | None, sandbox: bool) -> Path:

@@ -19,6 +19,8 @@ As root (the intended way to run a batch):
 - private temporary folders: /tmp, /var/tmp, /dev/shm and /run are fresh, empty tmpfs mounts (as systemd's
   PrivateTmp), with the run's own job folder (and anything it needs that lives there) bound back, so a copy of
   the course someone left in /tmp is out of sight too, and no host daemon's Unix socket in /run is reachable;
+- disk: the job folder itself is a tmpfs of `GradeOptions.job_mb` (`job.cap_job_folder`, mounted by the grader),
+  so writing file after file ends in ENOSPC there, not on the host's disk;
 - after confining itself the run checks that every hidden path is gone (`confinement_leaks`) and refuses to
   start the notebook otherwise: a mount that did not take effect fails loudly instead of leaking;
 - memory: a cgroup v2 `memory.max` (+ `pids.max`) when a writable cgroup2 with the memory controller exists,
