@@ -18,7 +18,7 @@ import yaml
 from scalelab.course.release import strip_solutions
 from scalelab.grade.checks import lab_checks, run_checks
 from scalelab.grade.evidence import run_evidence
-from scalelab.course.site import ensure_executed
+from scalelab.course.executed import ensure_executed
 from scalelab.record import read_records
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,11 +4,12 @@
     from scalelab.course.site import build_site
     report = build_site()                       # SiteReport: where the HTML is, which labs ran or were reused
 
-1. Execute. Each lab's reference notebook runs with its lab.yaml grading parameters and limits in a working copy,
-   `build/executed/<lab>/` (runs, figures and traces land there, never in labs/). `executed.json` beside it keeps
-   the hash of the lab's files (hidden checks and past runs left out); a later build with the same hash reuses the
-   executed notebook instead of running it again (`force=True` runs it anyway). A lab that fails is reported with
-   its name, the failing cell and the executed copy, after the other labs have run.
+1. Execute (`course/executed.py`). Each lab's reference notebook runs with its lab.yaml grading parameters and
+   limits in a working copy, `build/executed/<lab>/` (runs, figures and traces land there, never in labs/).
+   `executed.json` beside it keeps the hash of the lab's files (hidden checks and past runs left out); a later
+   build with the same hash reuses the executed notebook instead of running it again (`force=True` runs it
+   anyway). A lab that fails is reported with its name, the failing cell and the executed copy, after the other
+   labs have run.
 2. Stage. `site/` is copied to `build/site/src/` with, per lab, `labs/<lab>.ipynb`: the executed notebook with every
    exercise solution replaced by `# YOUR CODE HERE` (outputs kept, so the page shows the plots but not the answers),
    papermill's injected cell, `record()` outputs and widget views removed; `_student/<lab>.zip`: the student copy
@@ -20,11 +21,8 @@ from __future__ import annotations
 
 import copy
 import fcntl
-import hashlib
 import io
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ScalelabError
-from .lab import NOTEBOOK, Lab, cell_source, find_labs, load_lab, student_files
+from .executed import (EXECUTED, STAMP, ExecutedLab, LabExecutionFailed, SiteBuildError, _read_stamp,
+                       _write_if_changed, ensure_executed, lab_hash, measured_on)
+from .lab import NOTEBOOK, Lab, cell_source, find_labs, load_lab
 from .release import release_lab
 from .solutions import replace_solutions
 from ..paths import checkout_root
@@ -44,45 +43,13 @@ from ..paths import checkout_root
 ROOT = checkout_root()
 SITE_SRC = ROOT / "site"
 HTML_OUT = SITE_SRC / "_build" / "html"
-EXECUTED = ROOT / "build" / "executed"
 STAGE = ROOT / "build" / "site"
-CACHE_VERSION = "1"
 """Part of every lab hash: bump it when the way labs are executed changes, so old copies are not reused."""
-STAMP = "executed.json"
 HIDDEN = "# YOUR CODE HERE"
 RECORD_MIME = "application/vnd.scalelab.record+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 DROP_TAGS = {"papermill-error-cell-tag"}  # papermill's injected cell stays: it shows what the page ran with
 RUN_METADATA = ("papermill", "execution", "scalelab", "widgets")
-
-
-class SiteBuildError(ScalelabError):
-    """The site could not be built; the message says which lab or page and what to do."""
-
-
-class LabExecutionFailed(SiteBuildError):
-    """One or more labs did not execute to the end; `failures` maps lab name to its message."""
-
-    def __init__(self, failures: dict[str, str]):
-        self.failures = dict(failures)
-        names = ", ".join(failures)
-        body = "\n\n".join(f"--- lab {name} ---\n{msg}" for name, msg in failures.items())
-        super().__init__(f"{len(failures)} lab(s) failed to execute: {names}\n{body}\n\nFix the lab, then run "
-                         f"`scalelab site build` again (labs that executed are reused).")
-
-
-@dataclass
-class ExecutedLab:
-    """A lab's executed reference notebook and how it was obtained."""
-
-    name: str
-    notebook: Path
-    """The executed notebook (papermill's output, solutions still in)."""
-    source_hash: str
-    reused: bool
-    """True when an up-to-date executed copy from an earlier build was used."""
-    duration_s: float
-    """How long the execution took (when it ran, then or in the build that made the reused copy)."""
 
 
 @dataclass
@@ -92,103 +59,6 @@ class SiteReport:
     html: Path
     labs: list[ExecutedLab] = field(default_factory=list)
     sphinx_s: float = 0.0
-
-
-def lab_hash(lab_dir: str | Path) -> str:
-    """Hash of what a lab's execution depends on: its student files' names and bytes (lab.yaml included)."""
-    root = Path(lab_dir)
-    h = hashlib.sha256(f"scalelab-site {CACHE_VERSION}\n".encode())
-    for rel in student_files(root):
-        h.update(rel.as_posix().encode() + b"\0")
-        h.update((root / rel).read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def ensure_executed(lab_dir: str | Path, executed_root: str | Path = EXECUTED, force: bool = False) -> ExecutedLab:
-    """The executed notebook of a lab, executed now unless an up-to-date copy exists; LabExecutionFailed if it fails.
-
-    Lab tests may call this too, so that a CI run executes each lab once for both the tests and the site.
-    """
-    lab = load_lab(lab_dir)
-    work = Path(executed_root) / lab.name
-    digest = lab_hash(lab.path)
-    stamp = _read_stamp(work / STAMP)
-    if not force and stamp.get("hash") == digest and (work / NOTEBOOK).is_file():
-        return ExecutedLab(lab.name, work / NOTEBOOK, digest, True, float(stamp.get("duration_s", 0.0)))
-    return _execute(lab, work, digest)
-
-
-def _execute(lab: Lab, work: Path, digest: str) -> ExecutedLab:
-    from .execute import NotebookError, execute_notebook
-    if work.exists():
-        shutil.rmtree(work)  # runs from an older version of the lab must not linger
-    work.mkdir(parents=True)
-    for rel in student_files(lab.path):
-        if rel != Path(NOTEBOOK):
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(lab.path / rel, work / rel)
-    g = lab.grading
-    load_before = _load()
-    try:
-        result = execute_notebook(lab.notebook, g.parameters, output_path=work / NOTEBOOK, cwd=work,
-                                  cell_timeout=g.cell_timeout_s, total_timeout=g.total_timeout_s)
-    except NotebookError as e:  # a bad call: lab.yaml names a parameter the notebook lacks, ...
-        raise LabExecutionFailed({lab.name: str(e)}) from None
-    if not result.ok:
-        raise LabExecutionFailed({lab.name: f"{result.error.details()}\nexecuted copy: {result.output_path}"})
-    stamp = {"hash": digest, "lab": lab.name, "parameters": g.parameters, "duration_s": round(result.duration_s, 1),
-             "executed_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-             "machine": machine_summary(), "load": {"before": load_before, "after": _load()}}
-    _write_if_changed(work / STAMP, json.dumps(stamp, indent=1) + "\n")
-    return ExecutedLab(lab.name, work / NOTEBOOK, digest, False, result.duration_s)
-
-
-def machine_summary() -> dict:
-    """What the numbers on a page were measured on: CPUs (and their model), memory, GPUs."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    gpus = len([p for p in Path("/dev").glob("nvidia[0-9]*")])
-    return {"cpus": os.cpu_count() or 0, "cpu_model": model, "memory_gib": round(mem, 1), "gpus": gpus}
-
-
-def _load() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def measured_on(stamp: dict) -> str:
-    """One sentence for a page: the machine and the load its numbers were measured under."""
-    m, load = stamp.get("machine") or {}, stamp.get("load") or {}
-    if not m:
-        return ""
-    what = f"{m.get('cpus')} CPUs" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")
-    what += f", {m.get('memory_gib')} GiB of memory, " + (f"{m['gpus']} GPUs" if m.get("gpus") else "no GPU")
-    text = f"**Measured on:** {what}"
-    if load.get("before") is not None and load.get("after") is not None:
-        busy = max(load["before"], load["after"]) > (m.get("cpus") or 1)
-        text += (f"; load average {load['before']:g} before the run and {load['after']:g} after" +
-                 (" — the machine was busy with other work, so speed-ups here are lower than on a quiet one"
-                  if busy else ""))
-    if stamp.get("executed_at"):
-        text += f" ({stamp['executed_at']})"
-    return text + "."
-
-
-def _read_stamp(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def hide_solutions(source: str, where: str = "cell") -> tuple[str, int]:
@@ -388,17 +258,6 @@ def _lock(path: Path):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _write_if_changed(path: Path, content: str | bytes) -> None:
-    """Write atomically, and only when the bytes differ (Sphinx rebuilds what has a new mtime)."""
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    if path.is_file() and path.read_bytes() == data:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def report_dict(report: SiteReport) -> dict:
