@@ -191,7 +191,19 @@ def test_labs_update_brings_a_fixed_lab_without_touching_a_students_work(course,
     fixed = (source / "lab.ipynb").read_text().replace("A mean and a tiny fit", "A mean and a tiny fit (fixed)")
     (source / "lab.ipynb").write_text(fixed)
     (source / "README.md").write_text("Notes, corrected.\n")
-    code, text = _cli("labs", "update", "--config", str(hub.config_path))
+    # ben plants a scalelab package in his home, where the update runs as him: `python -m` would import it first,
+    # and it would run beside the instructor's (root) terminal
+    plant = homes["ben"] / "scalelab"
+    _as("ben", hub, "mkdir", "-p", str(plant / "hub"))
+    for rel in ("__init__.py", "hub/__init__.py", "hub/provision.py"):
+        _as("ben", hub, "sh", "-c", f"cat > '{plant / rel}'",
+            stdin=f"open({str(homes['ben'] / 'planted-ran')!r}, 'w').write('ran')\n".encode())
+    try:
+        code, text = _cli("labs", "update", "--config", str(hub.config_path))
+        assert not (homes["ben"] / "planted-ran").exists(), "the update imported a module from the student's home"
+        assert "copied" in text.split(hub.user("ben"), 1)[1].splitlines()[0], text  # his labs were still updated
+    finally:
+        shutil.rmtree(plant, ignore_errors=True)
     assert code == 0 and hub.user("ann") in text
     ann = homes["ann"] / "labs" / "90_fixture"
     assert "Exercise 1" in (ann / "lab.ipynb").read_text() and "(fixed)" not in (ann / "lab.ipynb").read_text()
@@ -212,3 +224,32 @@ def test_labs_run_executes_a_parameter_profile_and_names_a_missing_one(tmp_path)
     with contextlib.redirect_stderr(err):
         assert main(["labs", "run", str(FIX / "labs" / "90_fixture"), "--profile", "gpu-node"]) == 1
     assert "no parameter profile 'gpu-node'" in err.getvalue() and "'demo'" in err.getvalue()
+
+
+@pytest.fixture
+def home():
+    """A home other users may enter, owned by nobody when we are root (run_as_owner refuses a home of root's)."""
+    path = Path(tempfile.mkdtemp(prefix="scalelab-home-"))
+    path.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_command_run_in_a_students_home_has_no_terminal_and_imports_nothing_from_it(home):
+    # What `labs update` and `course return` start in a home: a session of its own (so no controlling terminal to
+    # read or type into), and an import path without the home on it.
+    import sys
+    from scalelab.course.collect import owner_python, printable, run_as_owner
+    tmp_path = home
+    (tmp_path / "scalelab").mkdir(mode=0o755)
+    (tmp_path / "scalelab" / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('planted')\n")
+    r = run_as_owner(tmp_path, owner_python("scalelab.hub.provision", str(tmp_path / "no-labs"), "."))
+    assert not (tmp_path / "ran").exists(), r.stderr  # the real provision ran (nothing to copy)
+    assert r.stderr.startswith(b"scalelab provision: copied 0"), r.stderr
+    r = run_as_owner(tmp_path, [sys.executable, "-m", "scalelab.hub.provision", str(tmp_path / "no-labs"), "."])
+    assert (tmp_path / "ran").exists()  # the control: `python -m` imports the planted package
+    r = run_as_owner(tmp_path, [sys.executable, "-c", "import os; print(os.getsid(0) == os.getpid())"])
+    assert r.stdout.decode().strip() == "True", r.stderr  # a session leader: no terminal of the instructor's
+    assert printable("done\x1b]0;pwned\x07\x1b[2J") == "done?]0;pwned??[2J"

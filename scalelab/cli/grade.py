@@ -107,16 +107,16 @@ def labs_update_command(args) -> int:
     source = resolve_source(cfg["labs"]["source"])
     if source is None:
         raise GradingError(f"labs.source {cfg['labs']['source']!r}: no labs there; run `scalelab labs release`")
-    from ..course.collect import OwnerError, run_as_owner
-    argv = [sys.executable, "-m", "scalelab.hub.provision", str(source), ".", "--dest", dest,
-            *[f"--exclude={x}" for x in cfg["labs"]["exclude"]]]
+    from ..course.collect import OwnerError, owner_python, printable, run_as_owner
+    argv = owner_python("scalelab.hub.provision", str(source), ".", "--dest", dest,
+                        *[f"--exclude={x}" for x in cfg["labs"]["exclude"]])
     for student, home in sorted(homes.items()):
         try:
             r = run_as_owner(home, argv)
             said = (r.stderr.decode(errors="replace").strip().splitlines() or [f"exit {r.returncode}"])[-1]
         except OwnerError as e:
             said = f"not updated: {e}"
-        print(f"{student:<20} {said.removeprefix('scalelab provision: ')}")
+        print(f"{student:<20} {printable(said.removeprefix('scalelab provision: '))}")
     return 0
 
 

@@ -178,9 +178,22 @@ class OwnerError(GradingError):
     """A home that cannot be written as its owner (missing, not a folder, or root's)."""
 
 
+def owner_python(module: str, *args: str) -> list[str]:
+    """The command that runs `module`'s main(argv) in a student's home without importing anything from it: with
+    `python -m` the home would come first on the import path, so a planted scalelab/ there would run instead."""
+    code = f"import sys; del sys.path[0]; from {module} import main; sys.exit(main(sys.argv[1:]))"
+    return [sys.executable, "-c", code, *args]
+
+
+def printable(text: str) -> str:
+    """What a student's process said, safe to print on the instructor's terminal (no escape sequences)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
 def run_as_owner(home: Path, argv: list[str], stdin: bytes = b"", timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `argv` in `home` as the home's owner (uid and gid, no other groups) when we are root, else as
-    ourselves: whatever it writes can only go where that owner may write, links planted in the home included."""
+    ourselves: whatever it writes can only go where that owner may write, links planted in the home included.
+    A Python `argv` must not import from the home (start it with `owner_python`): the student owns what is there."""
     try:
         info = os.stat(home, follow_symlinks=False)
     except OSError as e:
@@ -192,7 +205,9 @@ def run_as_owner(home: Path, argv: list[str], stdin: bytes = b"", timeout: float
         if info.st_uid == 0:
             raise OwnerError(f"{home} belongs to root: nothing is written into it as root")
         owner = {"user": info.st_uid, "group": info.st_gid, "extra_groups": []}
-    return subprocess.run(argv, input=stdin, cwd=home, capture_output=True, timeout=timeout,
+    # A session of its own: no controlling terminal, so nothing it starts can read or type into the instructor's
+    # (a root shell, often); a daemon it leaves behind cannot open /dev/tty either.
+    return subprocess.run(argv, input=stdin, cwd=home, capture_output=True, timeout=timeout, start_new_session=True,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
                                "HOME": str(home)}, **owner)
 
@@ -229,5 +244,5 @@ def return_feedback(lab: str, homes: dict[str, Path], feedback: dict[str, Path],
     return done
 
 
-__all__ = ["Collected", "Returned", "OwnerError", "collect", "return_feedback", "run_as_owner", "parse_deadline",
+__all__ = ["Collected", "Returned", "OwnerError", "collect", "return_feedback", "run_as_owner", "owner_python", "printable", "parse_deadline",
            "MANIFEST", "FEEDBACK"]
