@@ -101,7 +101,10 @@ def test_run_hub_prints_how_to_log_in_and_execs_jupyterhub(tmp_path, monkeypatch
     assert main(["hub", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     password = (tmp_path / "state" / "password").read_text().strip()
-    assert "http://127.0.0.1:8123/" in out and f"as one of ann, bob and the password: {password}" in out
+    kept = tmp_path / "state" / "student_passwords.csv"
+    assert "http://127.0.0.1:8123/" in out and f"as one of ann, bob, each with a password of their own: {kept}" in out
+    own = dict(line.split(",") for line in kept.read_text().splitlines())
+    assert set(own) == {"ann", "bob"} and password not in out and not any(pw in out for pw in own.values())
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
     assert installed == ["local"]
     assert execd["argv"][1:4] == ["-m", "jupyterhub", "-f"] and execd["argv"][4].endswith("jupyterhub_config.py")

@@ -180,6 +180,32 @@ def test_apply_settings_generates_and_keeps_a_password(cfg, tmp_path):
     assert (tmp_path / "state" / "password").stat().st_mode & 0o777 == 0o600
 
 
+def test_each_listed_student_gets_a_password_of_their_own_kept_across_restarts(cfg, tmp_path):
+    roster = tmp_path / "class.csv"
+    roster.write_text("name,password\nann,ann-own-pass-1\n")
+    cfg["auth"].update(allowed_users=["ann", "bob", "cy", "prof"], roster=str(roster))
+    cfg["hub"]["admin_users"] = ["prof"]
+    c1, c2 = Config(), Config()
+    hubconf.apply_settings(c1, cfg)
+    hubconf.apply_settings(c2, cfg)
+    own = c1.CourseSharedPasswordAuthenticator.roster_passwords
+    assert set(own) == {"ann", "bob", "cy"} and own["ann"] == "ann-own-pass-1"  # the admin keeps the admin password
+    assert own == c2.CourseSharedPasswordAuthenticator.roster_passwords  # a restart locks nobody out
+    assert len({own["bob"], own["cy"], c1.SharedPasswordAuthenticator.user_password}) == 3
+    kept = tmp_path / "state" / "student_passwords.csv"
+    assert kept.stat().st_mode & 0o777 == 0o600 and "ann" not in kept.read_text()  # the roster's is not copied
+    cfg["auth"]["allowed_users"].append("dee")  # a student added later gets one; the others keep theirs
+    c3 = Config()
+    hubconf.apply_settings(c3, cfg)
+    assert {k: v for k, v in c3.CourseSharedPasswordAuthenticator.roster_passwords.items() if k != "dee"} == own
+    cfg["auth"]["per_student_passwords"] = False  # the try-out choice: one password for all, said at start
+    c4 = Config()
+    hubconf.apply_settings(c4, cfg)
+    assert set(c4.CourseSharedPasswordAuthenticator.roster_passwords) == {"ann"}
+    from scalelab.hub.posture import warnings
+    assert any("any student can sign in as any classmate" in w for w in warnings(cfg))
+
+
 def test_config_d_files_run_in_order(cfg, tmp_path):
     d = tmp_path / "d"
     d.mkdir()

@@ -141,6 +141,30 @@ def test_local_servers_run_as_course_accounts_and_cannot_read_the_hub_or_each_ot
     assert_isolated(local_hub, start_servers(local_hub, ("alice", "bob")))
 
 
+def _commands_of(uid: int) -> list[list[str]]:
+    return [p.info["cmdline"] or [] for p in psutil.process_iter(["uids", "cmdline"])
+            if p.info["uids"] and p.info["uids"].real == uid]
+
+
+def test_what_a_students_terminal_left_running_ends_with_their_last_server(local_hub):
+    # From a terminal in JupyterLab a student can leave a process outside the server's tree (setsid, nohup, a
+    # double fork): stopping the server signalled only the server. Now the course account's processes go with its
+    # last server.
+    import time
+    user = start_servers(local_hub, ("carol",))["carol"]
+    uid = pwd.getpwnam(user.name).pw_uid
+    as_student(user.name, "sh", "-c", "setsid -f sleep 300 </dev/null >/dev/null 2>&1")
+    deadline = time.monotonic() + 10
+    while ["sleep", "300"] not in _commands_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ["sleep", "300"] in _commands_of(uid), "the control: the daemon runs, outside the server's tree"
+    assert user.stop().status_code in (202, 204)
+    deadline = time.monotonic() + 30
+    while _commands_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _commands_of(uid) == [], local_hub.log_tail()
+
+
 def login_status(hub: HubRunner, name: str, password: str) -> int:
     s = requests.Session()
     s.get(f"{hub.url}/hub/login", timeout=30)
@@ -154,16 +178,30 @@ def test_system_names_and_names_off_the_list_cannot_sign_in(local_hub):
         assert login_status(local_hub, name, local_hub.password) == 403, name
     with pytest.raises(KeyError):
         pwd.getpwnam(local_hub.user("eve"))  # no account was made for a name off the list
-    assert login_status(local_hub, local_hub.user("carol"), local_hub.password) == 302  # the control
+    carol = local_hub.user("carol")
+    assert login_status(local_hub, carol, local_hub.password_of(carol)) == 302  # the control
+
+
+def test_a_student_cannot_sign_in_as_a_classmate(local_hub):
+    # One password for the class let any student sign in as any other (their files, server and tokens): each
+    # listed student now has a password of their own, and neither the shared one nor a classmate's opens theirs.
+    alice, bob = local_hub.user("alice"), local_hub.user("bob")
+    assert login_status(local_hub, alice, local_hub.password_of(bob)) == 403
+    assert login_status(local_hub, alice, local_hub.password) == 403
+    assert login_status(local_hub, alice, local_hub.password_of(alice)) == 302  # the control
+    assert len({local_hub.password_of(n) for n in (alice, bob, local_hub.user("carol"))} | {local_hub.password}) == 4
+    banner = local_hub.log_path.read_text(errors="replace")
+    assert "student_passwords.csv" in banner and local_hub.password_of(alice) not in banner
 
 
 def test_repeated_wrong_passwords_lock_the_name_then_the_lock_ends(local_hub):
     import time
     name = local_hub.user("carol")
     assert [login_status(local_hub, name, "wrong") for _ in range(3)] == [403, 403, 403]
-    assert login_status(local_hub, name, local_hub.password) == 429, "locked: even the right password is refused"
+    assert login_status(local_hub, name, local_hub.password_of(name)) == 429, "locked: even the right password is " \
+                                                                               "refused"
     time.sleep(5.5)
-    assert login_status(local_hub, name, local_hub.password) == 302
+    assert login_status(local_hub, name, local_hub.password_of(name)) == 302
 
 
 def test_oversized_options_are_refused_before_they_are_stored_or_logged(local_hub):
@@ -183,7 +221,10 @@ def test_a_roster_signs_students_in_with_their_own_passwords_only(open_dir):
     with hub:
         assert login_status(hub, "ann", "ann-own-pass-1") == 302
         assert login_status(hub, "ann", hub.password) == 403  # the shared password is not hers
-        assert login_status(hub, "bob", hub.password) == 302  # no own password: the shared one
+        assert login_status(hub, "bob", hub.password) == 403  # no roster password: a generated one, not the shared
+        assert login_status(hub, "bob", hub.password_of("bob")) == 302
+        assert hub.password_of("bob") not in (hub.password, "ann-own-pass-1")
+        assert (hub.workdir / "state" / "student_passwords.csv").stat().st_mode & 0o777 == 0o600
         assert login_status(hub, "cy", hub.password) == 403  # not on the roster
 
 

@@ -84,6 +84,20 @@ def test_mistakes_name_the_setting_and_the_fix(tmp_path, text, expected):
     assert "course_defaults.yaml" in str(e.value), "the message says where every setting is described"
 
 
+def test_a_course_file_holding_a_password_must_not_be_readable_by_students(tmp_path):
+    # The checkout stays readable for students' servers: a password in a 644 course file was theirs to read.
+    p = write(tmp_path, "course.yaml", "auth:\n  admin_password: " + "a" * 32 + "\n")
+    p.chmod(0o644)
+    with pytest.raises(SettingsError) as e:
+        load_settings(p)
+    assert "auth.admin_password" in str(e.value) and f"chmod 600 {p}" in str(e.value)
+    p.chmod(0o600)
+    assert load_settings(p)["auth"]["admin_password"] == "a" * 32
+    q = write(tmp_path, "open.yaml", "auth:\n  password: ''\n")  # no password in it: readable is fine
+    q.chmod(0o644)
+    assert load_settings(q)["auth"]["password"] == ""
+
+
 def test_every_problem_is_listed_at_once(tmp_path):
     p = write(tmp_path, "bad.yaml", "mode: x\nhub:\n  port: -1\n")
     with pytest.raises(SettingsError, match=r"2 problem\(s\)"):

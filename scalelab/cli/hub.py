@@ -100,7 +100,12 @@ def _banner(cfg: dict, passwords: dict, cluster) -> str:
         names = cfg["auth"]["allowed_users"]
         who = (f"as one of {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}" if names
                else "with any user name (lower-case letters, digits, - or _)")
-        lines.append(f"  log in    {who} and the password: {passwords['user']}")
+        if passwords.get("students"):
+            from ..hub.auth import student_passwords_file
+            lines.append(f"  log in    {who}, each with a password of their own: "
+                         f"{student_passwords_file(cfg)} (generated ones; the roster's otherwise)")
+        else:
+            lines.append(f"  log in    {who} and the password: {passwords['user']}")
         if passwords.get("admin"):
             lines.append(f"  admins    {', '.join(cfg['hub']['admin_users'])}: password in "
                          f"{Path(hub['state_dir']) / 'admin_password'} (or auth.admin_password)")

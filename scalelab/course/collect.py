@@ -244,5 +244,5 @@ def return_feedback(lab: str, homes: dict[str, Path], feedback: dict[str, Path],
     return done
 
 
-__all__ = ["Collected", "Returned", "OwnerError", "collect", "return_feedback", "run_as_owner", "owner_python", "printable", "parse_deadline",
-           "MANIFEST", "FEEDBACK"]
+__all__ = ["Collected", "Returned", "OwnerError", "collect", "return_feedback", "run_as_owner", "owner_python",
+           "printable", "parse_deadline", "MANIFEST", "FEEDBACK"]

@@ -8,11 +8,10 @@ is its other end.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
-from ..run.procs import kill_processes
+from ..run.procs import kill_every_process_of, kill_processes, uid_processes
 from .sandbox import UID_RANGE, SandboxError, SandboxPlan
 
 
@@ -49,38 +48,15 @@ def cleanup(plan: SandboxPlan, runner_pid: int | None = None) -> int:
     return killed
 
 
-def uid_processes(uid: int) -> list[int]:
-    """Pids of every live process with `uid` as its real, effective or saved uid (zombies are dead already: only
-    their parent's wait removes them, and an orphan's parent is the machine's init)."""
-    import psutil
-    found = []
-    for p in psutil.process_iter(["uids", "status"]):
-        if p.info["uids"] and uid in p.info["uids"] and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p.pid)
-    return found
-
-
 def kill_uid(uid: int, gid: int | None = None, rounds: int = 50) -> int:
     """SIGKILL every process of the throwaway `uid` (root only), repeating until none is left; returns how many.
-
-    `kill -KILL -1` (procps) run *as* `uid` signals every process that uid may signal, all in one pass of the kernel over
-    the process table (no fork can slip in while it runs). Never call it with a uid anyone else uses.
-    """
+    Refuses a uid outside the grader's throwaway range (`run.procs.kill_every_process_of` does the killing)."""
     if not UID_RANGE[0] <= uid < UID_RANGE[1]:
         raise SandboxError(f"refusing to kill every process of uid {uid}: not a throwaway uid of the grader")
-    count = 0
-    for _ in range(rounds):
-        # Kill first, then look: a list of a hopping daemon's pids is out of date before it is finished, so an
-        # empty look before the kill would prove nothing.
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=gid if gid is not None else uid,
-                       extra_groups=[], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/", timeout=30)
-        time.sleep(0.05)
-        left = uid_processes(uid)
-        if not left:
-            return count
-        count += len(left)
-    raise SandboxError(f"processes of uid {uid} survive {rounds} rounds of SIGKILL: {uid_processes(uid)[:10]}")
+    try:
+        return kill_every_process_of(uid, gid, rounds)
+    except RuntimeError as e:
+        raise SandboxError(str(e)) from None
 
 
 def _proc(pid):

@@ -88,9 +88,10 @@ def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
     c.CourseSharedPasswordAuthenticator.max_address_failures = throttle["failures_per_address"]
     c.CourseSharedPasswordAuthenticator.window_s = float(throttle["window_s"])
     c.CourseSharedPasswordAuthenticator.lockout_s = float(throttle["lockout_s"])
-    if auth["roster"]:
-        c.CourseSharedPasswordAuthenticator.roster_passwords = {
-            name: pw for name, pw in read_roster(auth["roster"]).items() if pw}
+    own = {name: pw for name, pw in read_roster(auth["roster"]).items() if pw} if auth["roster"] else {}
+    own.update(passwords.get("students") or {})  # every listed student's own (roster or generated)
+    if own:
+        c.CourseSharedPasswordAuthenticator.roster_passwords = own
     c.SharedPasswordAuthenticator.user_password = passwords["user"]
     if passwords.get("admin"):
         c.SharedPasswordAuthenticator.admin_password = passwords["admin"]

@@ -152,6 +152,11 @@ def warnings(cfg: Mapping) -> list[str]:
     if cfg["servers"].get("shared_account") and cfg["servers"]["run_as"] == "hub-account" and not single_person(cfg):
         out.append("servers.shared_account: every student's server runs as one account, so students can read each "
                    "other's work and tokens and the hub's secrets (a private try-out only)")
+    auth = cfg["auth"]
+    if auth["type"] == "shared-password" and not auth.get("per_student_passwords", True) and \
+            len([n for n in auth["allowed_users"] if n not in set(cfg["hub"]["admin_users"])]) > 1:
+        out.append("auth.per_student_passwords: false: every listed student signs in with the one shared password, "
+                   "so any student can sign in as any classmate (their files, server and tokens); a try-out only")
     if cfg["servers"].get("spawn_from_link"):
         out.append("servers.spawn_from_link: a link on any site can start a server (and a Slurm job) for a "
                    "signed-in student")

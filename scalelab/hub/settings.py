@@ -107,16 +107,34 @@ def load_settings(path: str | os.PathLike | None = None, overrides: Mapping | No
     servers.run_as 'auto' resolved for this hub's account (`posture.resolve_run_as`)."""
     cfg = read_settings_file(hub_config_dir() / "course_defaults.yaml")
     if path is not None or default_settings_path().is_file():
-        cfg = deep_merge(cfg, read_settings_file(path if path is not None else default_settings_path()))
+        course_file = Path(path if path is not None else default_settings_path())
+        own = read_settings_file(course_file)
+        cfg = deep_merge(cfg, own)
     if overrides:
         cfg = deep_merge(cfg, resolve_paths(dict(overrides), Path.cwd()))
     where = str(path) if path is not None else str(default_settings_path())
     validate_settings(cfg, where=where)
+    if path is not None or default_settings_path().is_file():
+        _refuse_readable_passwords(course_file, own)
     if cfg["auth"]["roster"]:  # the roster's names may sign in too
         names = list(read_roster(cfg["auth"]["roster"]))
         cfg["auth"]["allowed_users"] = list(dict.fromkeys([*cfg["auth"]["allowed_users"], *names]))
     from .posture import resolve_run_as
     return resolve_run_as(cfg)
+
+
+def _refuse_readable_passwords(path: Path, own: Mapping) -> None:
+    """A course file that sets a password must not be readable by other users: students could read the admin's
+    password from it in a terminal (the checkout, hub_config/ included, stays readable for their servers)."""
+    auth = own.get("auth") if isinstance(own.get("auth"), Mapping) else {}
+    held = [f"auth.{k}" for k in ("password", "admin_password") if auth.get(k)]
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if held and mode & 0o004:
+        raise SettingsError(f"{path} sets {' and '.join(held)} and other users can read it (mode {mode & 0o777:o}): "
+                            f"chmod 600 {path}, or leave the password empty (generated into hub.state_dir, mode 600)")
 
 
 ROSTER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")  # the hub's login names (config.USERNAME_PATTERN)
