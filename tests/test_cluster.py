@@ -183,6 +183,21 @@ def test_up_again_is_quick_and_keeps_the_same_daemons(slurm_cluster):
 
 
 @pytest.mark.slurm
+def test_a_cluster_left_running_with_another_slurm_conf_is_restarted_with_this_one(slurm_cluster):
+    # A cluster started by an older scalelab kept its slurm.conf (PrivateData missing, say) for as long as it ran.
+    before = slurm_cluster._running()
+    conf = slurm_cluster.conf_path
+    conf.write_text(conf.read_text().replace("PrivateData=jobs,usage,users\n", ""))
+    slurm_cluster.up()
+    assert "PrivateData=jobs,usage,users" in conf.read_text()
+    after = slurm_cluster._running()
+    assert all(after.values()) and after["slurmctld"] != before["slurmctld"], (before, after)
+    t0 = time.monotonic()
+    slurm_cluster.up()  # now current: kept
+    assert slurm_cluster._running() == after and time.monotonic() - t0 < 2
+
+
+@pytest.mark.slurm
 def test_two_task_batch_job_runs_srun_on_both_tasks(slurm_cluster, tmp_path):
     jobid = submit(slurm_cluster, "-n", "2", "-D", str(tmp_path), "-o", "out.txt",
                    "--wrap", "srun bash -c 'echo task=$SLURM_PROCID host=$(hostname -s)'")

@@ -248,6 +248,12 @@ def test_slurm_jobs_run_as_course_accounts_and_cannot_read_the_hub_or_each_other
     jobs = {j["user"] for j in slurm_hub.jobs()}
     assert jobs == {users["alice"].name, users["bob"].name}, f"jobs were submitted as {jobs}"
     assert_isolated(slurm_hub, users)
+    # PrivateData: bob's squeue shows his own job (the control) and not alice's, whose name, node and start time
+    # would tell him where and when to aim
+    env = [f"{k}={v}" for k, v in slurm_hub.slurm_env().items() if k in ("SLURM_CONF", "PATH")]
+    seen = as_student(users["bob"].name, "env", *env, "squeue", "-h", "-o", "%u|%j").stdout.split()
+    assert users["bob"].name in {line.split("|")[0] for line in seen}, seen
+    assert not [line for line in seen if users["alice"].name in line], seen
 
 
 @pytest.mark.slurm

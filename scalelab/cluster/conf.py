@@ -212,6 +212,9 @@ def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid
         f"SlurmdLogFile={slurmd_log}",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
+        # Students share this cluster: each sees only their own jobs, usage and user (what squeue and scontrol
+        # show), not a classmate's job names, nodes and start times to aim at. Root and SlurmUser see everything.
+        "PrivateData=jobs,usage,users",
         # No cgroups in containers and laptops: processes are tracked through /proc, tasks are not bound.
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",

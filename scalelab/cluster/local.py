@@ -144,13 +144,14 @@ class LocalCluster:
                 "with `export SLURM_CONF=/path/to/slurm.conf` (unset means /etc/slurm/slurm.conf)")
 
     def up(self, timeout: float = 60) -> "LocalCluster":
-        """Start munged, slurmctld and slurmd unless already healthy; return once a job runs on the node."""
-        if self._healthy():
+        """Start munged, slurmctld and slurmd unless already healthy with this version's slurm.conf (a cluster left
+        running by an older scalelab is restarted with the new one); return once a job runs on the node."""
+        if self._healthy() and self._conf_current():
             return self
         self._preflight()
         deadline = time.monotonic() + timeout
         with self._locked():
-            if self._healthy():  # another process brought it up while we waited for the lock
+            if self._healthy() and self._conf_current():  # another process brought it up while we waited
                 return self
             self._stop_all()  # whatever is left half-started, ours only
             self._check_ports()
@@ -178,6 +179,22 @@ class LocalCluster:
                                "`scalelab cluster down --state-dir DIR`), or give this one other ports "
                                "(LocalCluster(ctld_port=..., slurmd_port=...))")
 
+    def _conf_text(self, m=None) -> str:
+        """The slurm.conf this version of scalelab writes for this machine."""
+        m = m or detect_machine()
+        return slurm_conf_text(cluster_name="scalelab", node_name=m.hostname, cpus=m.cpus,
+                               real_memory_mb=m.memory_mb, gpus=m.gpus, state_dir=self.state_dir,
+                               node_addr=m.node_addr, sockets=m.sockets, cores_per_socket=m.cores_per_socket,
+                               threads_per_core=m.threads_per_core, ctld_port=self.ports[0],
+                               slurmd_port=self.ports[1])
+
+    def _conf_current(self) -> bool:
+        """Whether the running cluster's slurm.conf is the one this version would write."""
+        try:
+            return self.conf_path.read_text() == self._conf_text()
+        except OSError:
+            return False
+
     def _prepare(self) -> None:
         """State directories, a fresh slurm.conf for this machine, and a munge key if there is none yet."""
         p = self.paths
@@ -187,12 +204,7 @@ class LocalCluster:
         for d in (self.state_dir, p.log_dir, p.run_dir, p.munge_dir):
             d.chmod(0o755)
         m = detect_machine()
-        text = slurm_conf_text(cluster_name="scalelab", node_name=m.hostname, cpus=m.cpus,
-                               real_memory_mb=m.memory_mb, gpus=m.gpus, state_dir=self.state_dir,
-                               node_addr=m.node_addr, sockets=m.sockets, cores_per_socket=m.cores_per_socket,
-                               threads_per_core=m.threads_per_core, ctld_port=self.ports[0],
-                               slurmd_port=self.ports[1])
-        self.conf_path.write_text(text)
+        self.conf_path.write_text(self._conf_text(m))
         gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus, files=m.gpu_files)
         if gres:
             p.gres_conf.write_text(gres)
