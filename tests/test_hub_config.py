@@ -228,3 +228,18 @@ def test_jupyterhub_config_file_loads_with_a_bare_config(tmp_path, monkeypatch, 
     assert c.CourseSlurmSpawner.default_profile == "cpu-2h"
     # run_as auto: course accounts on a root hub, the hub's account otherwise; never students' code as root
     assert c.CourseSpawner.run_as == ("student-accounts" if os.geteuid() == 0 else "hub-account")
+
+
+def test_subdomains_give_each_server_its_own_origin_and_their_absence_is_said(cfg):
+    from scalelab.hub.posture import warnings
+    cfg["hub"]["ip"] = "0.0.0.0"
+    cfg["auth"].update(any_name=False, allowed_users=["ann", "bob"])
+    said = [w for w in warnings(cfg) if w.startswith("hub.subdomain_host")]
+    assert said and "an instructor included" in said[0]  # serving the network, one address for all: said
+    cfg["hub"]["subdomain_host"] = "https://hub.example.org"
+    c = Config()
+    hubconf.update_hub(c, cfg)
+    assert c.JupyterHub.subdomain_host == "https://hub.example.org" and c.JupyterHub.cookie_host_prefix_enabled
+    assert not [w for w in warnings(cfg) if w.startswith("hub.subdomain_host")]
+    cfg["hub"].update(subdomain_host="", ip="127.0.0.1")  # the laptop default: nothing to say
+    assert not [w for w in warnings(cfg) if w.startswith("hub.subdomain_host")]

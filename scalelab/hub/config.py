@@ -59,6 +59,9 @@ def update_hub(c, cfg: Mapping) -> None:
     if proxy:
         c.ConfigurableHTTPProxy.command = [proxy]
     c.JupyterHub.cleanup_servers = not hub["keep_servers_on_restart"]
+    if hub.get("subdomain_host"):  # each server its own origin; cookies bound to the host (__Host- prefix)
+        c.JupyterHub.subdomain_host = hub["subdomain_host"]
+        c.JupyterHub.cookie_host_prefix_enabled = hub["subdomain_host"].startswith("https://")
     c.JupyterHub.allow_named_servers = hub["named_servers"] > 0
     c.JupyterHub.named_server_limit_per_user = hub["named_servers"]
     c.JupyterHub.template_vars = {"announcement": cfg["course"]["name"]}

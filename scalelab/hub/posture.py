@@ -152,6 +152,11 @@ def warnings(cfg: Mapping) -> list[str]:
     if cfg["servers"].get("shared_account") and cfg["servers"]["run_as"] == "hub-account" and not single_person(cfg):
         out.append("servers.shared_account: every student's server runs as one account, so students can read each "
                    "other's work and tokens and the hub's secrets (a private try-out only)")
+    hub = cfg["hub"]
+    if not hub.get("subdomain_host") and hub["ip"] not in ("127.0.0.1", "localhost", "::1") and not single_person(cfg):
+        out.append("hub.subdomain_host: empty, so every student's server shares the hub's address: a page a student "
+                   "serves from theirs runs as whoever opens it, an instructor included (JupyterHub's own advice: "
+                   "subdomains for untrusted users); set it, with wildcard DNS and a certificate")
     auth = cfg["auth"]
     if auth["type"] == "shared-password" and not auth.get("per_student_passwords", True) and \
             len([n for n in auth["allowed_users"] if n not in set(cfg["hub"]["admin_users"])]) > 1:
