@@ -74,3 +74,23 @@ def test_samples_per_s_that_do_not_follow_from_the_step_are_implausible(tmp_path
     w.emit("step", step=1, loss=1.0, samples=8, step_s=0.01, data_s=0.0, compute_s=0.01, samples_per_s=8000.0)
     w.close()
     assert any("samples/s is not samples over step time" in r for r in _verdict(tmp_path))
+
+
+def test_a_folder_of_many_empty_folders_is_looked_at_only_so_far(tmp_path, monkeypatch):
+    # A student's working copy with a million empty folders stalled the grader and the instructors' dashboard,
+    # which walked it all; the walk now stops after MAX_ENTRIES names, and finds runs before that as it did.
+    import scalelab.grade.evidence as ev
+    _engine_like(tmp_path / "a-run", world=1, steps=2, pace=False)
+    for i in range(300):
+        (tmp_path / "b-flood" / f"d{i:03d}").mkdir(parents=True)
+    assert set(run_evidence(tmp_path)[RUNS]) == {"a-run"}
+    listed = []
+    real = ev.os.scandir
+    monkeypatch.setattr(ev.os, "scandir", lambda p: listed.append(p) or real(p))
+    monkeypatch.setattr(ev, "MAX_ENTRIES", 50)
+    assert set(run_evidence(tmp_path)[RUNS]) == {"a-run"}  # sorted: a-run comes before the flood
+    assert len(listed) < 10, f"{len(listed)} folders listed past the budget"
+    _engine_like(tmp_path / "c" / "1" / "2" / "3" / "4" / "5" / "6" / "7" / "8" / "run", world=1, steps=2,
+                 pace=False)
+    monkeypatch.setattr(ev, "MAX_ENTRIES", 10_000)
+    assert "c/1/2/3/4/5/6/7/8/run" not in run_evidence(tmp_path)[RUNS]  # deeper than MAX_DEPTH: not read
