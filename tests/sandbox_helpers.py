@@ -32,7 +32,7 @@ root_only = pytest.mark.usefixtures("_as_root")
 @pytest.fixture
 def open_tmp():
     """A folder other users may enter (pytest's tmp_path sits under a 0700 folder)."""
-    path = Path(tempfile.mkdtemp(prefix="scalelab-sandbox-test-"))
+    path = Path(tempfile.mkdtemp(prefix="sl-sbx-"))  # short: job folders in it hold Unix sockets
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -183,6 +183,16 @@ record("filled_mb", written)
 record("stopped_by", stopped)"""
 
 
+def _solved_with(path: Path, cell: str) -> Path:
+    """The grading fixture lab, solved, with `cell` after its exercises, written to `path`."""
+    import json
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
+    import make_fixtures
+    ex1, ex2 = make_fixtures.solved(make_fixtures.EX1), make_fixtures.solved(make_fixtures.EX2)
+    path.write_text(json.dumps(make_fixtures.lab_cells(ex1, ex2, [cell])))
+    return path
+
+
 def _mounts_under(folder: Path) -> list[str]:
     return [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
             if line.split()[1].startswith(str(folder))]
@@ -192,14 +202,10 @@ def _mounts_under(folder: Path) -> list[str]:
 def test_a_run_that_fills_its_job_folder_stops_there_not_on_the_hosts_disk(open_tmp, tmp_path):
     # RLIMIT_FSIZE caps one file; a run writing file after file filled the workdir's disk (the host's /tmp) for
     # everyone until its time ran out. As root each job folder is a tmpfs of job_mb: the run gets ENOSPC there.
-    import json
     from scalelab.grade.grader import GradeOptions, grade
     from scalelab.record import read_records
-    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
-    import make_fixtures
-    sub = tmp_path / "filler.ipynb"
-    ex1, ex2 = make_fixtures.solved(make_fixtures.EX1), make_fixtures.solved(make_fixtures.EX2)
-    sub.write_text(json.dumps(make_fixtures.lab_cells(ex1, ex2, [FILL])))
+    sub = _solved_with(tmp_path / "filler.ipynb", FILL)
+    import make_fixtures  # on the path now
     got = {}
     for name, cap in (("capped", 40), ("open", None)):  # the control: the same run on the workdir's filesystem
         batch = grade(make_fixtures.LAB, [sub], tmp_path / name, GradeOptions(job_mb=cap, workdir=str(open_tmp)))
@@ -213,3 +219,46 @@ def test_a_run_that_fills_its_job_folder_stops_there_not_on_the_hosts_disk(open_
     assert capped.percent == open_.percent == 100, (capped.message, open_.message)  # the rest of it still graded
     assert open_records["stopped_by"] is None and open_records["filled_mb"] == 96, open_records
     assert open_.sandbox["job_folder"] == "on the workdir's filesystem, not capped"
+
+
+KEEPSAKES = """
+import os, stat
+from scalelab.record import record
+os.makedirs("kept/deep", exist_ok=True)
+with open("kept/deep/result.txt", "w") as f:
+    f.write("made in the run")
+with open("kept/setuid", "w") as f:
+    f.write("#!/bin/sh\\n")
+os.chmod("kept/setuid", 0o4755)
+os.mkfifo("kept/fifo")
+os.symlink("/etc/shadow", "kept/shadow")
+record("keepsakes", sorted(os.listdir("kept")))"""
+
+
+@root_only
+def test_a_kept_job_folder_ran_under_its_cap_and_is_copied_without_following_anything(open_tmp, tmp_path):
+    # --keep-workdirs used to switch the job folder's tmpfs off, so a run kept for debugging ran under other limits
+    # than the graded one. Now the run is capped and its folder copied to the disk after it: no link followed (the
+    # copy of a link to /etc/shadow is a link), no FIFO (reading one would hang the grader), no set-user-ID bit.
+    from scalelab.grade.grader import GradeOptions, grade
+    from scalelab.record import read_records
+    sub = _solved_with(tmp_path / "keeper.ipynb", KEEPSAKES)
+    import make_fixtures  # on the path now
+    batch = grade(make_fixtures.LAB, [sub], tmp_path / "out",
+                  GradeOptions(job_mb=40, keep_workdirs=True, workdir=str(open_tmp)))
+    result = batch.results[0]
+    assert result.percent == 100, result.message
+    assert read_records(tmp_path / "out" / "notebooks" / "keeper.ipynb")["keepsakes"] == \
+        ["deep", "fifo", "setuid", "shadow"]  # all four were made in the (capped) run
+    assert result.sandbox["job_folder"] == "40 MiB tmpfs, copied to the workdir's filesystem after the run"
+    assert not _mounts_under(open_tmp), "a kept job folder's tmpfs outlived its run"
+    [kept] = open_tmp.glob("scalelab-grade-*/keeper-*/work/kept")
+    assert (kept / "deep" / "result.txt").read_text() == "made in the run"
+    assert os.readlink(kept / "shadow") == "/etc/shadow" and (kept / "shadow").is_symlink()
+    assert not (kept / "fifo").exists() and not (kept / "fifo").is_symlink()
+    assert (kept / "setuid").stat().st_mode & 0o7777 == 0o755
+    assert (kept / "deep" / "result.txt").stat().st_uid == result.sandbox["uid"]
+    from scalelab.grade.report import read_records_file  # what the checks ran on, kept for the instructor
+    seen = read_records_file(tmp_path / "out", "keeper")
+    assert seen["keepsakes"] == ["deep", "fifo", "setuid", "shadow"] and "grader.runs" in seen
+    assert seen["grader.workdir"] == str(kept.parent)

@@ -103,12 +103,14 @@ def test_cap_text_and_cap_notebook_cut_long_outputs():
     nb = {"cells": [{"cell_type": "code", "outputs": [
         {"output_type": "stream", "name": "stdout", "text": ["x" * 50_000]},
         {"output_type": "error", "ename": "E", "evalue": "v", "traceback": ["t" * 30_000]},
-        {"output_type": "display_data", "data": {"image/png": "i" * 100_000, "text/plain": "ok"}},
-        {"output_type": "display_data", "data": {MIME: {"name": "n", "value": 1}}}]}]}
+        {"output_type": "display_data", "data": {"image/png": "i" * 1_200_000, "text/plain": "ok"}},
+        {"output_type": "display_data", "data": {MIME: {"name": "n", "value": 1}}},
+        {"output_type": "display_data", "data": {"image/png": "p" * 100_000}}]}]}
     capped, cuts = cap_notebook(nb)
     outs = capped["cells"][0]["outputs"]
     assert cuts == 3 and len(outs[0]["text"]) < 21_000 and len(outs[1]["traceback"][0]) < 21_000
     assert "image/png" not in outs[2]["data"] and outs[3]["data"][MIME] == {"name": "n", "value": 1}
+    assert outs[4]["data"]["image/png"] == "p" * 100_000, "a plot of a lab's size is kept for the instructor"
 
 
 # -- evidence ----------------------------------------------------------------------------------------------------
@@ -388,3 +390,20 @@ def test_the_root_runner_does_not_import_from_the_students_work_folder(tmp_path)
     now = subprocess.run([sys.executable, "-c", RUNNER_MAIN, "job.json"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert "PLANTED RUNNER" not in now.stdout and "job.json" in now.stderr  # the real runner, missing its job
+
+
+def test_job_folders_leave_room_for_the_unix_sockets_runs_make_in_them(tmp_path):
+    # A DataLoader with workers binds multiprocessing's socket in TMPDIR (<base>/<job>/tmp/pymp-*/listener-*); past
+    # 108 bytes the bind fails in the worker and the cell hangs to its limit (lab 01 did, graded from a long --workdir)
+    from scalelab.course.lab import GradingError
+    from scalelab.grade.job import JOB_NAME_CHARS, MAX_BASE_CHARS, job_base
+    deep = tmp_path / ("x" * 60)
+    deep.mkdir()
+    with pytest.raises(GradingError, match=r"pass a shorter --workdir"):
+        job_base(str(deep), sandbox=False)
+    base = job_base(None, sandbox=False)
+    try:
+        socket_path = (base / ("s" * JOB_NAME_CHARS + "-abcdefgh") / "tmp" / "pymp-abcdefgh" / "listener-abcdefgh")
+        assert len(str(base)) <= MAX_BASE_CHARS and len(str(socket_path)) < 108
+    finally:
+        base.rmdir()

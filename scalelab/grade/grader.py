@@ -36,8 +36,8 @@ from typing import Any, Callable
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .report import file_key
 from .evidence import RUNS, run_evidence, strip_grader_records
-from .job import (cap_job_folder, copy_submission, guard_parameters, hidden_paths, job_base, release_job_folder,
-                  run_job, runs_need, working_copy)
+from .job import (JOB_NAME_CHARS, cap_job_folder, copy_submission, guard_parameters, hidden_paths, job_base,
+                  release_job_folder, run_job, runs_need, working_copy)
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
 from .reap import cleanup
 from .sandbox import SandboxPlan, SandboxPolicy, plan_sandbox
@@ -68,7 +68,8 @@ class GradeOptions:
     keep_workdirs: bool = False
     job_mb: int | None = 2048
     """As root with the sandbox: each job folder is a tmpfs of this size, so a run cannot fill the host's disk
-    (None, or --keep-workdirs: folders on the workdir's filesystem, not capped)."""
+    (None: folders on the workdir's filesystem, not capped; with keep_workdirs a capped folder is copied there after
+    its run, so a kept run ran under the same limits)."""
     max_notebook_mb: int = 64
     """Largest executed notebook the grader reads back (its records are lost beyond that)."""
     continue_on_error: bool = True
@@ -233,8 +234,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     opts = ctx.options
     key = file_key(sub.student)
     started = time.time()  # no event of this run can be older: its working copy does not exist yet
-    job = Path(tempfile.mkdtemp(prefix=f"{key[:40]}-", dir=ctx.base))
-    capped = opts.sandbox and not opts.keep_workdirs and cap_job_folder(job, opts.job_mb)
+    job = Path(tempfile.mkdtemp(prefix=f"{key[:JOB_NAME_CHARS]}-", dir=ctx.base))  # short: see job.MAX_BASE_CHARS
+    capped = opts.sandbox and cap_job_folder(job, opts.job_mb)
     try:
         result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
         problem = copy_submission(sub.path, job / "work")
@@ -253,7 +254,8 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
         else:
             plan = SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
                                                          "unconfined as the grader's user"])
-        result.sandbox = {**plan.describe(), "job_folder": f"{opts.job_mb} MiB tmpfs" if capped else
+        result.sandbox = {**plan.describe(), "job_folder": (f"{opts.job_mb} MiB tmpfs" + (", copied to the "
+                          "workdir's filesystem after the run" if opts.keep_workdirs else "")) if capped else
                           "on the workdir's filesystem, not capped"}
         if taken:
             result.notes.append(f"your own versions of {taken} were used")
@@ -271,7 +273,7 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
         _collect(ctx, job, sub, outcome, result, shipped, started)
     finally:
         if capped:
-            release_job_folder(job)
+            release_job_folder(job, keep=opts.keep_workdirs)
         if not opts.keep_workdirs:
             shutil.rmtree(job, ignore_errors=True)
     return result
@@ -312,6 +314,12 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
         records.update(found)
     result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
     result.checks = run_checks(ctx.checks, records)
+    from . import report
+    try:
+        report.write_records(ctx.out, sub.student, records)
+    except (OSError, TypeError, ValueError) as e:  # a full disk, or values JSON cannot hold: the grade stands
+        result.notes.append("the values the checks ran on could not be kept for the instructor: "
+                            + cap_text(str(e), 200))
     for c in result.checks:
         c.message = cap_text(c.message, 2000)
         if c.outcome == "missing" and result.status == "cell_error":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -266,14 +267,64 @@ def cap_job_folder(job: Path, size_mb: int | None) -> bool:
     return True
 
 
-def release_job_folder(job: Path) -> None:
-    """Unmount a capped job folder (detached: the run's processes are gone by now); its contents go with it."""
+def release_job_folder(job: Path, keep: bool = False) -> None:
+    """Unmount a capped job folder (detached: the run's processes are gone by now); its contents go with it, or with
+    `keep` (--keep-workdirs) are first copied to the disk beneath, at the same path (`keep_tree`)."""
     from .confine import _call
+    kept = None
+    if keep:
+        kept = Path(tempfile.mkdtemp(prefix=f".{job.name}-", dir=job.parent))
+        try:
+            keep_tree(job, kept)
+        except (OSError, RecursionError):  # kept as far as it went: the unmount must happen whatever the tree
+            pass
     _call("umount2", os.fsencode(job), MNT_DETACH)
+    if kept is not None:
+        for child in kept.iterdir():
+            child.rename(job / child.name)
+        kept.rmdir()
+
+
+def keep_tree(src: Path, dest: Path) -> None:
+    """Copy a run's folder (the student's files: hostile) without following any link: folders and regular files
+    are copied with their owners and permission bits (never set-user or set-group-ID: the disk may not be nosuid as
+    the tmpfs was), symbolic links as links, anything else (FIFOs, sockets) left out."""
+    for entry in os.scandir(src):
+        st = entry.stat(follow_symlinks=False)
+        target = dest / entry.name
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(entry.path), target)
+        elif stat.S_ISDIR(st.st_mode):
+            target.mkdir()
+            keep_tree(Path(entry.path), target)
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f, open(target, "wb") as out:
+                shutil.copyfileobj(f, out)
+        else:
+            continue
+        os.chown(target, st.st_uid, st.st_gid, follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(target, stat.S_IMODE(st.st_mode) & 0o777)
+
+
+JOB_NAME_CHARS = 12
+"""A job folder is named after the student's first JOB_NAME_CHARS characters (and a random part)."""
+MAX_BASE_CHARS = 48
+"""Longest path of a batch's folder of job folders. A run's TMPDIR is <base>/<job>/tmp, and Python's
+multiprocessing binds Unix sockets there (pymp-XXXXXXXX/listener-XXXXXXXX: a DataLoader with workers sending a
+tensor does): a socket's path must stay under 108 bytes, or the worker fails and the cell hangs to its time limit."""
 
 
 def job_base(workdir: str | None, sandbox: bool) -> Path:
     """A folder for this batch's job folders: enterable (0711) so each throwaway uid reaches its own job."""
+    where = Path(workdir or tempfile.gettempdir()).resolve()
+    longest = len(str(where / "scalelab-grade-XXXXXXXX"))
+    if longest > MAX_BASE_CHARS:
+        raise GradingError(f"the job folders would be made in {where} ({longest} characters with the batch's "
+                           f"folder): runs bind Unix sockets in their temporary folders there, whose paths must stay "
+                           f"under 108 bytes; pass a shorter --workdir (at most {MAX_BASE_CHARS - 24} characters, "
+                           "e.g. /tmp)")
     base = Path(tempfile.mkdtemp(prefix="scalelab-grade-", dir=workdir))
     base.chmod(0o711)
     if os.geteuid() == 0 and sandbox and blocking_ancestor(str(base)):

@@ -5,6 +5,8 @@
     OUT/notebooks/<student>.ipynb  the executed notebook, long outputs cut
     OUT/gradebook.csv              one row per student graded into OUT (all results/*.json, not only this batch)
     OUT/instructor/                runner logs, tracebacks of hidden checks that crashed: not for students
+    OUT/instructor/records/<student>.json  the values the checks ran on (the notebook's records and the grader's
+                                   evidence from the run's event files): why a check said what it said
 
 Hidden checks appear to students with their name, outcome, points and message only: never their source, and
 never the traceback of a hidden check that crashed (that goes to instructor/hidden_check_errors.jsonl).
@@ -96,6 +98,20 @@ def write_submission(out: Path, result) -> dict:
             for c in crashed:
                 f.write(json.dumps({"student": result.student, "check": c.name, "traceback": c.detail}) + "\n")
     return data
+
+
+def write_records(out: Path, student: str, records: dict) -> Path:
+    """instructor/records/<student>.json: the values `student`'s checks ran on (records and evidence), for an
+    instructor asked why a check failed, and for checks re-run later without running the notebook again."""
+    path = Path(out) / "instructor" / "records" / f"{file_key(student)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(records, ensure_ascii=False, default=str))
+    return path
+
+
+def read_records_file(out: Path, student: str) -> dict:
+    """What `write_records` wrote for `student` in the batch folder `out`."""
+    return json.loads((Path(out) / "instructor" / "records" / f"{file_key(student)}.json").read_text(encoding="utf-8"))
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -210,5 +226,6 @@ def feedback_html(data: dict) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["file_key", "csv_cell", "course_gradebook", "prepare_out_dir", "write_submission", "write_gradebook", "load_results", "result_to_dict",
+__all__ = ["file_key", "csv_cell", "course_gradebook", "prepare_out_dir", "write_submission", "write_gradebook",
+           "write_records", "read_records_file", "load_results", "result_to_dict",
            "check_to_dict", "checks_table_html", "feedback_html"]

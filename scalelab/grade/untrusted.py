@@ -18,6 +18,9 @@ MAX_NOTEBOOK_BYTES = 64 * 2**20
 MAX_OUTPUT_CHARS = 20_000
 """Per output (stream text, text/plain, a traceback) in the stored notebook and in feedback."""
 MAX_RECORD_PAYLOAD_CHARS = 200_000
+MAX_IMAGE_CHARS = 1_000_000
+"""Per image or other binary output (base64 characters): a lab's plots are kept in the stored notebook, so an
+instructor sees the figures a student saw (and the site can show a graded reference); a larger blob is dropped."""
 TRUNCATED = "\n[... {n} characters cut by the grader ...]\n"
 
 
@@ -62,8 +65,9 @@ def tolerant_records(nb: Any) -> tuple[dict[str, Any], list[str]]:
     return records, problems
 
 
-def cap_notebook(nb: dict, limit: int = MAX_OUTPUT_CHARS) -> tuple[dict, int]:
-    """Cut every long output of an executed notebook in place (for storing and showing); returns (nb, cuts)."""
+def cap_notebook(nb: dict, limit: int = MAX_OUTPUT_CHARS, image_limit: int = MAX_IMAGE_CHARS) -> tuple[dict, int]:
+    """Cut every long text output of an executed notebook in place (for storing and showing) and drop images over
+    `image_limit`; returns (nb, cuts)."""
     cuts = 0
     for cell in nb.get("cells", []) if isinstance(nb, dict) else []:
         if not isinstance(cell, dict):
@@ -85,7 +89,7 @@ def cap_notebook(nb: dict, limit: int = MAX_OUTPUT_CHARS) -> tuple[dict, int]:
                             data[key], cuts = {"name": "cut", "value": None}, cuts + 1
                     elif key.startswith("text/") or key.endswith("+json") or key.endswith("json"):
                         cuts += _cap_field(data, key, limit)
-                    elif len(str(data[key])) > 4 * limit:  # images and other blobs
+                    elif len(str(data[key])) > image_limit:  # images and other blobs
                         data.pop(key)
                         data.setdefault("text/plain", f"[{key} output dropped by the grader: too large]")
                         cuts += 1
@@ -103,4 +107,4 @@ def _cap_field(d: dict, key: str, limit: int) -> int:
 
 
 __all__ = ["UntrustedFileError", "read_beneath", "load_json_beneath", "cap_text", "tolerant_records",
-           "cap_notebook", "MAX_NOTEBOOK_BYTES", "MAX_OUTPUT_CHARS"]
+           "cap_notebook", "MAX_NOTEBOOK_BYTES", "MAX_OUTPUT_CHARS", "MAX_IMAGE_CHARS"]
