@@ -159,6 +159,23 @@ def test_a_lab_is_executed_once_per_content_and_again_when_its_files_change(lab_
     assert len(fake_execute.calls) == 3
 
 
+def test_a_notebook_executed_elsewhere_is_adopted_until_the_lab_changes(lab_copy, tmp_path, fake_execute):
+    # the test suite's grader runs each reference in its sandbox; the site shows that run instead of a third one
+    from scalelab.course.executed import adopt_executed
+    executed, lab = tmp_path / "executed", load_lab(lab_copy)
+    graded = executed_copy(json.loads(lab.notebook.read_text()))
+    adopted = adopt_executed(lab_copy, graded, 12.3, "the grader", executed)
+    assert json.loads(adopted.notebook.read_text()) == graded
+    done = sb.ensure_executed(lab_copy, executed)
+    assert done.reused and done.duration_s == 12.3 and fake_execute.calls == []
+    stamp = json.loads((executed / "01_fixture" / sb.STAMP).read_text())
+    assert stamp["executed_by"] == "the grader" and stamp["parameters"] == {"points": 8}
+    note = "".join(sb.lab_page(graded, lab, None, stamp)["cells"][1]["source"])
+    assert "executed on a CPU by the grader" in note and "when the site was built" not in note
+    (lab_copy / "lab.yaml").write_text((lab_copy / "lab.yaml").read_text().replace("points: 8", "points: 9"))
+    assert not sb.ensure_executed(lab_copy, executed).reused and len(fake_execute.calls) == 1
+
+
 def test_a_failing_lab_is_named_with_its_cell_and_the_other_labs_still_run(lab_copy, tmp_path, fake_execute,
                                                                            monkeypatch):
     second = lab_copy.parent / "02_other"

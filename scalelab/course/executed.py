@@ -103,6 +103,25 @@ def _execute(lab: Lab, work: Path, digest: str) -> ExecutedLab:
     return ExecutedLab(lab.name, work / NOTEBOOK, digest, False, result.duration_s)
 
 
+def adopt_executed(lab_dir: str | Path, notebook: dict, duration_s: float, executed_by: str,
+                   executed_root: str | Path = EXECUTED) -> ExecutedLab:
+    """Keep a notebook of this lab executed elsewhere at its grading parameters (the grader's run of the reference,
+    say) as its executed copy, so the site reuses it instead of executing the lab again; the stamp says by what."""
+    lab = load_lab(lab_dir)
+    work = Path(executed_root) / lab.name
+    digest = lab_hash(lab.path)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    _write_if_changed(work / NOTEBOOK, json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    load = _load()
+    stamp = {"hash": digest, "lab": lab.name, "parameters": lab.grading.parameters,
+             "duration_s": round(duration_s, 1), "executed_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+             "executed_by": executed_by, "machine": machine_summary(), "load": {"before": load, "after": load}}
+    _write_if_changed(work / STAMP, json.dumps(stamp, indent=1) + "\n")
+    return ExecutedLab(lab.name, work / NOTEBOOK, digest, False, duration_s)
+
+
 def machine_summary() -> dict:
     """What the numbers on a page were measured on: CPUs (and their model), memory, GPUs."""
     model = ""
@@ -162,5 +181,5 @@ def _write_if_changed(path: Path, content: str | bytes) -> None:
     tmp.replace(path)
 
 
-__all__ = ["SiteBuildError", "LabExecutionFailed", "ExecutedLab", "lab_hash", "ensure_executed", "machine_summary",
-           "measured_on", "EXECUTED", "STAMP"]
+__all__ = ["SiteBuildError", "LabExecutionFailed", "ExecutedLab", "lab_hash", "ensure_executed", "adopt_executed",
+           "machine_summary", "measured_on", "EXECUTED", "STAMP"]

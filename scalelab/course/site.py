@@ -102,11 +102,16 @@ def _page_output(output: dict) -> dict | None:
     return output
 
 
+def _executed_how(stamp: dict) -> str:
+    by = stamp.get("executed_by")
+    return f"by {by}" if isinstance(by, str) and by else "when the site was built"
+
+
 def _note(lab: Lab, download: str | None, stamp: dict | None = None) -> str:
     params = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in lab.grading.parameters.items()) or "its defaults"
     lines = [":::{note}",
              f"**Time:** about {lab.minutes} minutes." if lab.minutes else "",
-             "This page is the reference notebook, executed on a CPU when the site was built, with the small "
+             f"This page is the reference notebook, executed on a CPU {_executed_how(stamp or {})}, with the small "
              f"parameters the course's tests use ({params}). The exercise solutions are replaced by "
              f"`{HIDDEN}`; their outputs are left in, so you can compare your numbers.",
              f"{{download}}`Download the lab <{download}>` (notebook and self-checks) or open it on the course hub; "
