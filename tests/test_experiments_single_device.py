@@ -23,6 +23,10 @@ def test_slow_reads_wait_per_sample_and_return_the_same_samples(spec):
     x, y = slow[3]
     assert time.perf_counter() - t0 >= 0.005
     assert (x == base[3][0]).all() and y == base[3][1] and len(slow) == len(base)
+    t0 = time.perf_counter()
+    batch = slow.__getitems__([1, 2, 3, 4])  # what the DataLoader calls: one wait for the batch's four samples
+    assert time.perf_counter() - t0 >= 0.02
+    assert len(batch) == 4 and all((b[0] == base[i][0]).all() for b, i in zip(batch, [1, 2, 3, 4]))
 
 
 def test_measure_reports_each_mode_and_rejects_unknown_ones(spec):
