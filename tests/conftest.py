@@ -6,6 +6,7 @@ never go green by skipping them.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -69,14 +70,36 @@ def _real_parts(request):
             pytest.skip("no CUDA GPU on this machine: run `pytest -m gpu tests/test_gpu.py` on a GPU node")
 
 
+@contextlib.contextmanager
+def one_worker_holds(part: str):
+    """Fail when a second worker of this run sets up `part`: the tests sharing it were not kept to one worker
+    (xdist_group_of below), and two workers would each start their own (two clusters on one state, every lab
+    graded twice)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:  # one process: nothing to share
+        yield
+        return
+    import fcntl
+    import tempfile
+    with open(Path(tempfile.gettempdir()) / f"scalelab-tests-{run}-{part}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pytest.fail(f"worker {os.environ.get('PYTEST_XDIST_WORKER')} sets up {part}, which another worker of "
+                        "this run holds: its tests were not kept to one worker (tests/conftest.py: xdist_group_of; "
+                        "is --dist loadgroup working with this pytest?)", pytrace=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real single-node Slurm, started once for the session (or reused if already up)."""
     CHECKS["slurm"]()
     from scalelab.cluster.local import LocalCluster
-    cluster = LocalCluster()
-    cluster.up()
-    yield cluster
+    with one_worker_holds("slurm_cluster"):
+        cluster = LocalCluster()
+        cluster.up()
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +110,84 @@ def nodes_cluster():
     CHECKS["netns"]()
     import tempfile
     from scalelab.cluster.nodes import NodesCluster
-    cluster = NodesCluster(Path(tempfile.gettempdir()) / "scalelab-test-nodes", nodes=2, gpus_per_node=2)
-    cluster.up()
-    yield cluster
-    cluster.down()
+    with one_worker_holds("nodes_cluster"):
+        cluster = NodesCluster(Path(tempfile.gettempdir()) / "scalelab-test-nodes", nodes=2, gpus_per_node=2)
+        cluster.up()
+        yield cluster
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def lab_gradings(request, tmp_path_factory):
+    """The run's one grading of every lab the selected tests need (tests/labtests.py): graded under load in the
+    sandbox, read by the grading, forgery, lab story and site tests instead of each executing the labs again."""
+    from labtests import LabGradings, labs_needed
+    with one_worker_holds("lab_gradings"), \
+            LabGradings(labs_needed(request.session.items), tmp_path_factory.mktemp("lab-gradings")) as gradings:
+        yield gradings
+
+
+# -- running side by side (pytest-xdist, `make test`: -n 2 --dist loadgroup) -------------------------------------
+# Tests that share a machine-wide part run on one worker, one after another: every test that starts or uses the
+# local Slurm clusters, a hub or Unix accounts ("clusters": one LocalCluster state, one 2-node namespace cluster,
+# useradd's lock), and every test that reads the run's one grading of the labs ("labs": a session fixture, so one
+# worker holds it). Everything else is spread over the workers as they come free.
+CLUSTER_MARKERS = ("slurm", "netns", "hub")
+CLUSTER_FIXTURES = ("slurm_cluster", "nodes_cluster")
+CLUSTER_MODULES = ("test_cluster", "test_course_workflow", "test_multinode", "test_resilience_nodes")
+
+
+def xdist_group_of(item) -> str | None:
+    """The group an item must share a worker with (None: any worker)."""
+    module = item.path.stem
+    if (any(item.get_closest_marker(m) for m in CLUSTER_MARKERS) or set(CLUSTER_FIXTURES) & set(item.fixturenames)
+            or module in CLUSTER_MODULES or module.startswith("test_hub_")):
+        return "clusters"
+    if "lab_gradings" in item.fixturenames:
+        return "labs"
+    return None
+
+
+GROUP_ORDER = {"labs": 0, "clusters": 1, None: 2}
+"""The longest group first: xdist hands out work in collection order, and the labs' grading is the run's long pole."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
+def pytest_collection_modifyitems(config, items):
+    groups = {item: xdist_group_of(item) for item in items}
+    for item, group in groups.items():
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "loadgroup", False):  # a worker of -n N: sort; a plain run keeps the file order
+        items.sort(key=lambda item: GROUP_ORDER[groups[item]])
+
+
+# -- where the time goes: every run ends with the time per test file ---------------------------------------------
+_FILE_TIMES: dict[str, list[float]] = {}  # file -> [seconds summed over its tests' phases, first start, last stop]
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    t = _FILE_TIMES.setdefault(path, [0.0, float("inf"), 0.0])
+    t[0] += report.duration
+    if getattr(report, "start", None) is not None:
+        t[1], t[2] = min(t[1], report.start), max(t[2], report.stop)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _FILE_TIMES or hasattr(config, "workerinput"):
+        return
+    import json
+    rows = sorted(_FILE_TIMES.items(), key=lambda kv: -kv[1][0])
+    total = sum(t[0] for _, t in rows)
+    tr = terminalreporter
+    tr.section(f"time per test file ({len(rows)} files, {total:.0f} s of test time in all)")
+    tr.write_line(f"{'seconds':>8} {'share':>6} {'first start to last end':>24}  file")
+    for path, (busy, start, stop) in rows:
+        span = f"{stop - start:.0f} s" if stop >= start else "-"
+        tr.write_line(f"{busy:8.1f} {busy / max(total, 1e-9):6.1%} {span:>24}  {path}")
+    out = ROOT / "build" / "test-times.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({path: {"seconds": round(busy, 2), "span_s": round(max(stop - start, 0.0), 2)}
+                               for path, (busy, start, stop) in rows}, indent=1) + "\n")
+    tr.write_line(f"(as JSON: {out.relative_to(ROOT)})")

@@ -1,28 +1,43 @@
-"""Shared helpers of the lab tests (tests/test_lab0N_*.py): student copies, grading, the reference run.
+"""Shared helpers of the lab tests: the one grading of every lab per test run, student copies, checks on records.
 
-A student copy is built the way `scalelab labs release` builds it (solution blocks replaced by a stub, hidden
-checks left out); `grade` runs a lab's public and hidden checks on records; `run_reference` executes a lab's
-reference notebook under papermill at its grading parameters once per test module, as the site build does.
+`LabGradings` (the session fixture `lab_gradings` in conftest.py) grades each lab once per run, in the grader's
+sandbox at its grading parameters, under load: its reference, its released student copy, a submission made before
+the modules moved (lab 05) and the two forgeries of tests/forgeries.py (labs 01-06), in one batch at -j 2, two labs'
+batches at a time. Every test that needs a lab executed reads that batch: the grading tests (test_grade_labs), the
+forgery tests (test_grade_forgery), each lab's story tests (test_labNN: the records and evidence the checks ran on)
+and the site (the graded reference becomes build/executed/<lab>/, which `build_site` reuses). So a run executes
+each lab's reference and student copy once, not three or four times.
 """
 from __future__ import annotations
 
 import copy
 import json
 import shutil
+import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from scalelab.course.release import strip_solutions
+from scalelab.course.executed import adopt_executed
+from scalelab.course.lab import student_files
+from scalelab.course.release import release_lab, strip_solutions
 from scalelab.grade.checks import lab_checks, run_checks
-from scalelab.grade.evidence import run_evidence
-from scalelab.course.executed import ensure_executed
-from scalelab.record import read_records
+from scalelab.grade.grader import GradeOptions, SubmissionResult, grade as grade_batch
+from scalelab.grade.report import read_records_file
+from scalelab.grade.untrusted import tolerant_records
+
+from forgeries import FORGERIES, forged_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+LABS = sorted(p.parent for p in (ROOT / "labs").glob("*/lab.ipynb"))
+LABS_BY_NAME = {p.name: p for p in LABS}
+LEGACY = ROOT / "tests" / "fixtures" / "legacy"  # submissions made before the modules moved (see its README)
+FIXTURE = ROOT / "tests" / "fixtures" / "grading"
 
 
 def student_source(source: str) -> str:
@@ -42,6 +57,16 @@ def student_copy(lab_dir: Path, dest: Path) -> Path:
     return dest
 
 
+def working_copy(lab_dir: Path, dest: Path) -> Path:
+    """The lab's student files copied to `dest` (the lab's own folder), to execute the lab there: a lab run in
+    labs/ itself writes its %%writefile modules there, which changes the lab's hash (the site's cache key)."""
+    dest = Path(dest) / lab_dir.name
+    for rel in student_files(lab_dir):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lab_dir / rel, dest / rel)
+    return dest
+
+
 def grading_parameters(lab_dir: Path) -> dict:
     """The small CPU parameters lab.yaml gives for CI and grading."""
     return yaml.safe_load((lab_dir / "lab.yaml").read_text())["grading"]["parameters"]
@@ -58,26 +83,26 @@ def failures(results) -> list[str]:
     return [f"{r.name}: {r.outcome} {r.points}/{r.max_points} {r.message}" for r in results if r.outcome != "pass"]
 
 
-
-def run_reference(lab_dir: Path) -> tuple[dict, float]:
-    """Execute the reference notebook with lab.yaml's grading parameters: (records with the grader's evidence,
-    seconds).
-
-    It is the site build's execution (`ensure_executed`, into build/executed/<lab>/), always run anew here since the
-    tests are about today's library; the site test later in the same run reuses that copy instead of executing every
-    lab a third time (besides test_grade_labs)."""
-    executed = ensure_executed(lab_dir, force=True)
-    # the grader's evidence from the runs' event files, as `scalelab grade` adds it
-    records = {**read_records(executed.notebook), **run_evidence(executed.notebook.parent)}
-    return records, executed.duration_s
-
-
 def assert_full_marks_within(lab_dir: Path, reference: tuple[dict, float], budget_s: float) -> None:
-    """Every check passes on the reference's records, and the run stayed within its time budget."""
+    """Every check passes on the reference's records, and the run stayed within its time budget (graded under
+    load: the budget a student's run must keep even on a busy node)."""
     records, seconds = reference
     points, most, results = grade(lab_dir, records)
     assert points == most, "\n".join(failures(results))
     assert seconds < budget_s, f"{lab_dir.name} took {seconds:.0f} s under papermill; the budget is {budget_s:g} s"
+
+
+def assert_stops_at_first_exercise(gradings, lab: Path, recorded: str, not_yet: str, share: float) -> dict:
+    """The released student copy, as graded, stops being right at its first exercise: no hidden checks were released
+    with it, that cell raised NotImplementedError, `recorded` was recorded by then and `not_yet` not, and what was
+    recorded by then earns less than `share` of the lab's points. Returns those records."""
+    assert not (gradings.batch(lab).submissions / "student_copy" / "hidden_checks.py").exists()
+    error, records = gradings.until_first_error(lab)
+    assert error.get("ename") == "NotImplementedError", error
+    assert recorded in records and not_yet not in records, sorted(records)
+    points, most, _ = grade(lab, records)
+    assert points < share * most, f"{points}/{most}"
+    return records
 
 
 def assert_check_notices(lab_dir: Path, records: dict, forge, check_name: str) -> None:
@@ -112,3 +137,189 @@ class TwoInFlight:
     def close(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
 
+
+
+class OtherBatch:
+    """Another grading batch running beside the one under test, over and over until stopped: the load a grader
+    sees when two instructors grade at once (it keeps a kernel and a notebook busy on this machine). With `needed`,
+    a round starts only while needed() says so (the lab gradings run it only while one lab is in flight);
+    `rounds_at` keeps each round's (start, end) monotonic times."""
+
+    def __init__(self, out: Path, needed=lambda: True):
+        self.out, self.needed, self.stop, self.rounds, self.errors = out, needed, threading.Event(), 0, []
+        self.rounds_at: list[tuple[float, float]] = []
+        self.round_started: float | None = None  # the running round's start
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        subs = self.out / "subs"
+        subs.mkdir(parents=True)
+        for name in ("busy_a", "busy_b"):
+            shutil.copyfile(FIXTURE / "submissions" / "correct.ipynb", subs / f"{name}.ipynb")
+        while not self.stop.is_set():
+            if not self.needed():
+                self.stop.wait(0.2)
+                continue
+            self.round_started = t0 = time.monotonic()
+            try:
+                batch = grade_batch(FIXTURE / "labs" / "90_fixture", sorted(subs.glob("*.ipynb")),
+                                    self.out / f"round{self.rounds}", GradeOptions(jobs=1))
+                self.errors += [r.message for r in batch.results if r.status != "ok"]
+            except Exception:  # noqa: BLE001 - reported by the test (with where it came from), never hangs it
+                import traceback
+                self.errors.append(traceback.format_exc())
+                return
+            self.rounds_at.append((t0, time.monotonic()))
+            self.round_started = None
+            self.rounds += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=300)
+
+
+@dataclass
+class LabBatch:
+    """One lab's batch: its results by submission name and the batch's output folder."""
+
+    lab: Path
+    by: dict[str, SubmissionResult]
+    out: Path
+    submissions: Path
+
+    @property
+    def results(self) -> list[SubmissionResult]:
+        return list(self.by.values())
+
+    def records(self, name: str) -> dict:
+        """The values the checks of submission `name` ran on: its records and the grader's evidence."""
+        return read_records_file(self.out, name)
+
+    def notebook(self, name: str) -> dict:
+        """Submission `name`'s executed notebook, as the grader stored it."""
+        return json.loads((self.out / self.by[name].notebook).read_text(encoding="utf-8"))
+
+
+class LabGradings:
+    """Each selected lab graded once (see the module docstring), two labs' batches in flight: asking for a lab's
+    batch starts it (if it is not running yet) and the next selected lab's beside it, so each is the other's load;
+    while only one is in flight, the fixture batch (OtherBatch) grades beside it. Each lab's start and end are kept,
+    to show it was graded under load the whole time."""
+
+    def __init__(self, labs: list[str], tmp: Path):
+        self.tmp, self.lock, self.starts, self.ends = tmp, threading.Lock(), {}, {}
+        # job folders are kept (capped while they run, copied to disk after: --keep-workdirs) so that the story
+        # tests can re-run checks that read a run's traces; only each reference's is kept past its batch
+        self.workdir = Path(tempfile.mkdtemp(prefix="sl-"))  # short: runs bind Unix sockets in job folders
+        self.workdir.chmod(0o755)  # the throwaway uids enter their job folders through it
+        self.in_flight = TwoInFlight(labs, self._grade, "grade-lab")
+        self.other = OtherBatch(tmp / "other", needed=lambda: self.active < 2)
+
+    @property
+    def active(self) -> int:
+        return len(self.starts) - len(self.ends)
+
+    def _grade(self, name: str) -> LabBatch:
+        with self.lock:
+            self.starts[name] = time.monotonic()
+        try:
+            batch = _grade_lab(LABS_BY_NAME[name], self.tmp / name, self.workdir / name[:2])
+        finally:
+            with self.lock:
+                self.ends[name] = time.monotonic()
+        ref = batch.by["reference"]
+        if ref.status == "ok" and ref.notebook:  # the site shows this run instead of executing the lab again
+            adopt_executed(batch.lab, batch.notebook("reference"), ref.execution.get("duration_s", ref.duration_s),
+                           "the grader (in its sandbox, graded beside another batch) during the course's tests")
+        return batch
+
+    def batch(self, lab: Path | str) -> LabBatch:
+        """The lab's graded batch (graded now, or waited for, the first time it is asked for)."""
+        return self.in_flight.result(Path(lab).name)
+
+    def reference(self, lab: Path) -> tuple[dict, float]:
+        """(the records and evidence the reference's checks ran on, the seconds its notebook ran)."""
+        ref = self.batch(lab).by["reference"]
+        assert ref.status == "ok", f"{Path(lab).name}'s reference did not run to the end: {ref.message}"
+        return self.batch(lab).records("reference"), ref.execution.get("duration_s", ref.duration_s)
+
+    def until_first_error(self, lab: Path) -> tuple[dict, dict]:
+        """The released student copy where a plain Run All would stop it: (the first error output, the records of
+        the cells up to and including the one that raised it), as if the run had stopped there."""
+        nb = self.batch(lab).notebook("student_copy")
+        for i, cell in enumerate(nb["cells"]):
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            if errors:
+                return errors[0], tolerant_records({**nb, "cells": nb["cells"][:i + 1]})[0]
+        return {}, tolerant_records(nb)[0]
+
+    def load_share(self, lab: Path) -> float:
+        """The share of the lab's grading during which another lab's batch or a fixture round was running."""
+        now = time.monotonic()
+        t0, t1 = self.starts[lab.name], self.ends[lab.name]
+        with self.lock:
+            others = [(start, self.ends.get(name, now)) for name, start in self.starts.items() if name != lab.name]
+        others += self.other.rounds_at + ([(self.other.round_started, now)] if self.other.round_started else [])
+        covered, cursor = 0.0, t0
+        for a, b in sorted((max(a, t0), min(b, t1)) for a, b in others if b > t0 and a < t1):
+            if b > cursor:
+                covered += b - max(a, cursor)
+                cursor = b
+        return covered / max(t1 - t0, 1e-9)
+
+    def __enter__(self):
+        self.other.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.in_flight.close()
+        self.other.__exit__(*exc)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _grade_lab(lab: Path, tmp: Path, workdir: Path) -> LabBatch:
+    """The reference (with its solved modules), the released student copy, a legacy submission where the lab has
+    one and the lab's forgeries where it has them, as submitted folders, graded in one batch at -j 2."""
+    subs = tmp / "submissions"
+    (subs / "reference").mkdir(parents=True)
+    for rel in student_files(lab):
+        (subs / "reference" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lab / rel, subs / "reference" / rel)
+    release_lab(lab, subs / "student_copy")
+    names = ["reference", "student_copy"]
+    legacy = LEGACY / lab.name
+    if legacy.is_dir():  # handed in from a copy released before the modules moved: it must grade the same
+        shutil.copytree(legacy, subs / "made_before_the_move")
+        names.append("made_before_the_move")
+    paths = [subs / n for n in names]
+    if lab.name in FORGERIES:  # single notebooks, as a forger hands them in
+        for kind, events in (("forged_records", False), ("forged_events", True)):
+            (subs / f"{kind}.ipynb").write_text(json.dumps(forged_notebook(lab, events)))
+            paths.append(subs / f"{kind}.ipynb")
+    # continue_on_error=False: the notebook goes on only where the student copy's tags let Run All go on
+    workdir.mkdir(mode=0o755)
+    options = GradeOptions(jobs=2, continue_on_error=False, keep_workdirs=True, workdir=str(workdir))
+    batch = grade_batch(lab, paths, tmp / "out", options)
+    for job in workdir.glob("scalelab-grade-*/*"):
+        if not job.name.startswith("reference-"):  # the evidence of the reference is all the tests re-read
+            shutil.rmtree(job, ignore_errors=True)
+    return LabBatch(lab, {r.student: r for r in batch.results}, tmp / "out", subs)
+
+
+def labs_needed(items) -> list[str]:
+    """The labs the selected test items need graded, in the order they first need them: an item using the
+    `lab_gradings` fixture needs its `lab` or `graded` parameter's lab, else its module's LAB, else every lab."""
+    needed: list[str] = []
+    for item in items:
+        if "lab_gradings" not in getattr(item, "fixturenames", ()):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        lab = params.get("lab") or params.get("graded") or getattr(getattr(item, "module", None), "LAB", None)
+        for name in ([Path(lab).name] if lab else [p.name for p in LABS]):
+            if name in LABS_BY_NAME and name not in needed:
+                needed.append(name)
+    return needed

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from scalelab.course.execute import execute_notebook
-
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
-                      student_copy)
+from labtests import ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise
 
 LAB = ROOT / "labs" / "01_single_device"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The reference notebook executed once with lab.yaml's grading parameters, as the site build executes it
-    (test_grade_labs grades it under load): (records, seconds)."""
-    return run_reference(LAB)
+def reference(lab_gradings):
+    """The run's one grading of this lab (tests/labtests.py: in the sandbox, at lab.yaml's grading parameters,
+    under load): the records and evidence its reference's checks ran on, and the seconds it ran."""
+    return lab_gradings.reference(LAB)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
@@ -35,22 +32,14 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert records["slowest_phase"] == "data" and after["data"] < 0.5 * before["data"]  # shards: one open per shard
 
 
-def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
-    copy_dir = student_copy(LAB, tmp_path)
-    assert not (copy_dir / "hidden_checks.py").exists()
-    params = {**grading_parameters(LAB), "steps": 5}  # it stops at exercise 1: keep what runs before it short
-    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
-                              cell_timeout=120, total_timeout=240)
-    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
-    assert "predicted_full_sps" not in result.records and "split" in result.records
-    points, most, _ = grade(LAB, result.records)
-    assert points < 0.3 * most
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(lab_gradings):
+    assert_stops_at_first_exercise(lab_gradings, LAB, recorded="split", not_yet="predicted_full_sps", share=0.3)
 
 
 @pytest.mark.parametrize("forge, check_name", [
     (lambda r: r.update(predicted_full_sps=r["split"]["full"]), "prediction_is_the_serial_formula"),
     (lambda r: r.update(predicted_full_sps=r["split"]["data"] + r["split"]["compute"]), "full_step_predicted"),
-    (lambda r: r.update(bottleneck="compute"), "bottleneck_named"),
+    (lambda r: r.update(bottleneck="compute" if r["bottleneck"] == "data" else "data"), "bottleneck_named"),
     (lambda r: r.update(chosen_workers=max(x["workers"] for x in r["loader_sweep"]) + 1), "workers_chosen"),
     (lambda r: r.update(conv_fraction=r["conv_fraction"] * 0.9), "conv_fraction_follows_the_profile"),
     (lambda r: r["ladder"][-1].update(speedup=r["ladder"][-1]["speedup"] * 2), "ladder_is_consistent"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from labtests import BEGIN, END, ROOT, student_source
+from labtests import ROOT, BEGIN, END, student_source
 from scalelab.course.release import ReleaseError
 
 LABS = sorted(p for p in (ROOT / "labs").glob("0[1-4]_*") if (p / "lab.ipynb").exists())

@@ -6,18 +6,18 @@ import pytest
 
 from scalelab.course.execute import execute_notebook
 
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
-                      student_copy)
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise,
+                      grading_parameters, working_copy)
 
 LAB = ROOT / "labs" / "02_data_parallel"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The reference notebook executed once with lab.yaml's grading parameters, as the site build executes it
-    (test_grade_labs grades it under load): (records, seconds)."""
-    return run_reference(LAB)
+def reference(lab_gradings):
+    """The run's one grading of this lab (tests/labtests.py: in the sandbox, at lab.yaml's grading parameters,
+    under load): the records and evidence its reference's checks ran on, and the seconds it ran."""
+    return lab_gradings.reference(LAB)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
@@ -35,14 +35,8 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert sorted(records["ddp_timeline"]["ranks"]) == ["0", "1"]
 
 
-def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
-    copy_dir = student_copy(LAB, tmp_path)
-    result = execute_notebook(copy_dir / "lab.ipynb", grading_parameters(LAB), output_path=tmp_path / "out.ipynb",
-                              cell_timeout=180, total_timeout=300)
-    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
-    assert "allreduce" in result.records and "allreduce_bw" not in result.records
-    points, most, _ = grade(LAB, result.records)
-    assert points < 0.2 * most
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(lab_gradings):
+    assert_stops_at_first_exercise(lab_gradings, LAB, recorded="allreduce", not_yet="allreduce_bw", share=0.2)
 
 
 def _no_division(r):
@@ -90,7 +84,8 @@ def test_the_lab_at_two_nodes_launches_a_panel_run_across_them(nodes_cluster, tm
     """The panel's nodes field at nodes = 2 on the namespace cluster: one rank on each node, learning like the
     1-node runs (same global batch as 2 workers on one node)."""
     params = {**grading_parameters(LAB), "nodes": 2, "out_dir": str(tmp_path / "runs")}
-    result = execute_notebook(LAB / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=LAB,
+    work = working_copy(LAB, tmp_path)  # not in labs/: its %%writefile cells would change the lab there
+    result = execute_notebook(work / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=work,
                               cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
     assert result.ok, result.error and result.error.details()
     across, local = result.records["panel_two_nodes"], result.records["panel_runs"][-1]

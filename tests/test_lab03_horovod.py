@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from scalelab.course.execute import execute_notebook
-
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
-                      student_copy)
+from labtests import ROOT, assert_check_notices, assert_full_marks_within, grade
 
 LAB = ROOT / "labs" / "03_horovod"
 pytestmark = [pytest.mark.slow, pytest.mark.horovod, pytest.mark.mpi]
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The reference notebook executed once with lab.yaml's grading parameters, as the site build executes it
-    (test_grade_labs grades it under load): (records, seconds)."""
-    return run_reference(LAB)
+def reference(lab_gradings):
+    """The run's one grading of this lab (tests/labtests.py: in the sandbox, at lab.yaml's grading parameters,
+    under load): the records and evidence its reference's checks ran on, and the seconds it ran."""
+    return lab_gradings.reference(LAB)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
@@ -32,14 +29,12 @@ def test_reference_horovod_reproduces_ddp_exactly_on_cpu(reference):
     assert fusion["allreduces"] > fusion["fused_allreduces"] and fusion["cycles"] > fusion["fused_allreduces"]
 
 
-def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
-    copy_dir = student_copy(LAB, tmp_path)
-    result = execute_notebook(copy_dir / "lab.ipynb", grading_parameters(LAB), output_path=tmp_path / "out.ipynb",
-                              cell_timeout=240, total_timeout=360)
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(lab_gradings):
+    error, records = lab_gradings.until_first_error(LAB)  # Run All of the released copy, as graded
     # the %%writefile cell only writes the stub; the cell that trains the port is the one that fails
-    assert result.status == "cell_error" and "NotImplementedError" in result.error.details()
-    assert result.records == {}
-    points, most, _ = grade(LAB, result.records)
+    assert "NotImplementedError" in error.get("ename", "") + "\n".join(error.get("traceback", []))
+    assert records == {}
+    points, most, _ = grade(LAB, records)
     assert points == 0 < most
 
 

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from scalelab.course.execute import execute_notebook
-
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, run_reference,
-                      student_copy)
+from labtests import ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters, working_copy
 
 LAB = ROOT / "labs" / "04_scaling"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The reference notebook executed once with lab.yaml's grading parameters, as the site build executes it
-    (test_grade_labs grades it under load): (records, seconds)."""
-    return run_reference(LAB)
+def reference(lab_gradings):
+    """The run's one grading of this lab (tests/labtests.py: in the sandbox, at lab.yaml's grading parameters,
+    under load): the records and evidence its reference's checks ran on, and the seconds it ran."""
+    return lab_gradings.reference(LAB)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
@@ -34,14 +31,11 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert 10 < records["b_noise"] < 1000
 
 
-def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(tmp_path):
-    copy_dir = student_copy(LAB, tmp_path)
-    params = {**grading_parameters(LAB), "sweep_steps": 5}  # it stops after the sweeps: keep them short
-    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
-                              cell_timeout=180, total_timeout=300)
-    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
-    assert "strong_rows" in result.records and "karp_flatt" not in result.records
-    points, most, results = grade(LAB, result.records)
+def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(lab_gradings):
+    error, records = lab_gradings.until_first_error(LAB)  # Run All of the released copy, as graded
+    assert error.get("ename") == "NotImplementedError"
+    assert "strong_rows" in records and "karp_flatt" not in records
+    points, most, results = grade(LAB, records)
     assert points < 0.3 * most  # the sweeps ran; every exercise and all that follows is missing
     outcome = {r.name: r.outcome for r in results}
     assert {outcome[n] for n in ("serial_fraction_estimated", "learning_rates_scaled", "noise_scale_estimated")} == \
@@ -74,7 +68,8 @@ def test_the_lab_at_two_nodes_trains_across_them_and_a_slow_link_shows_in_the_co
     shaped to 1 Mbit/s; the exercise's numbers follow from the rows, and the shaping is taken off afterwards."""
     from scalelab.course.execute import execute_notebook
     params = {**grading_parameters(LAB), "nodes": 2, "slow_link": "1mbit", "out_dir": str(tmp_path / "runs")}
-    result = execute_notebook(LAB / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=LAB,
+    work = working_copy(LAB, tmp_path)  # not in labs/: its %%writefile cells would change the lab there
+    result = execute_notebook(work / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=work,
                               cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
     assert result.ok, result.error and result.error.details()
     rows = result.records["node_rows"]

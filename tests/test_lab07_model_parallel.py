@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from scalelab.course.execute import execute_notebook
-
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, grade, grading_parameters,
-                      run_reference, student_copy)
+from labtests import ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise
 
 LAB = ROOT / "labs" / "07_model_parallel"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The reference notebook executed once with lab.yaml's grading parameters, as the site build executes it
-    (test_grade_labs grades it under load): (records, seconds)."""
-    return run_reference(LAB)
+def reference(lab_gradings):
+    """The run's one grading of this lab (tests/labtests.py: in the sandbox, at lab.yaml's grading parameters,
+    under load): the records and evidence its reference's checks ran on, and the seconds it ran."""
+    return lab_gradings.reference(LAB)
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
@@ -40,16 +37,8 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert max(mesh["state_bytes"]) < 0.52 * runs["ddp"]["memory"]["state_bytes"]
 
 
-def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(tmp_path):
-    copy_dir = student_copy(LAB, tmp_path)
-    assert not (copy_dir / "hidden_checks.py").exists()
-    params = {**grading_parameters(LAB), "out_dir": str(tmp_path / "runs")}
-    result = execute_notebook(copy_dir / "lab.ipynb", params, output_path=tmp_path / "out.ipynb",
-                              cell_timeout=200, total_timeout=360)
-    assert result.status == "cell_error" and result.error.ename == "NotImplementedError"
-    assert "lab07_params" in result.records and "my_state_table" not in result.records
-    points, most, _ = grade(LAB, result.records)
-    assert points < 0.1 * most
+def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(lab_gradings):
+    assert_stops_at_first_exercise(lab_gradings, LAB, recorded="lab07_params", not_yet="my_state_table", share=0.1)
 
 
 def _scale(r, factor):

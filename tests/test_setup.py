@@ -89,7 +89,7 @@ def test_make_test_runs_every_setup_step_before_pytest_with_its_arguments():
     p = sh("make", "-n", "test", "PYTEST_ARGS=-k some_name tests/test_x.py")
     assert p.returncode == 0, p.stderr
     steps = ["tools/ensure_debian.sh", "tools/ensure_venv.sh", "tools/ensure_chp.sh", "tools/ensure_horovod.sh",
-             "-m pytest -k some_name tests/test_x.py"]
+             "-m pytest -n 2 --dist loadgroup -k some_name tests/test_x.py"]
     positions = [p.stdout.find(s) for s in steps]
     assert -1 not in positions and positions == sorted(positions), p.stdout
 
@@ -102,7 +102,7 @@ def test_make_test_does_not_hide_pytest_finding_no_tests():
 
 def test_make_help_lists_every_target():
     out = sh("make", "help").stdout
-    for target in ("hub", "test", "bench", "site", "doctor", "setup", "clean", "help"):
+    for target in ("hub", "test", "test-quick", "bench", "site", "doctor", "setup", "clean", "help"):
         assert re.search(rf"^\s+make {target}\s", out, re.M), f"make help does not list {target}:\n{out}"
 
 

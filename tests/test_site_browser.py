@@ -3,8 +3,9 @@ no image is missing, each lab page shows its notebook's plots and no exercise so
 from outside the site.
 
 The site is built by `build_site()` as `make site` builds it (site/_build/html): a lab whose files did not change
-since the last build is not executed again (build/executed/<lab>/), so after `make site` this test only runs
-Sphinx (incrementally) and the browser. Playwright drives Debian's /usr/bin/chromium.
+since its executed copy was made is not executed again (build/executed/<lab>/). In a test run those copies are the
+references the grader ran (`lab_gradings`), so this test only runs Sphinx and the browser. Playwright drives
+Debian's /usr/bin/chromium.
 """
 from __future__ import annotations
 
@@ -42,10 +43,24 @@ PAGE_JS = """() => ({
 
 
 @pytest.fixture(scope="module")
-def site():
-    """The real site, built (labs executed or reused) into site/_build/html: (report, html folder)."""
+def site(lab_gradings):
+    """The real site, built into site/_build/html from the run's graded references (each lab's reference that graded
+    to the end is its executed copy: build/executed/<lab>/; a lab whose did not is executed by the build):
+    (report, html folder)."""
+    from labtests import LABS
+    for lab in LABS:
+        lab_gradings.batch(lab)
     report = sb.build_site()
     return report, report.html
+
+
+def test_the_site_shows_the_references_the_grader_ran(site):
+    # one execution per lab per run: the pages are the graded references, not a third run of each lab
+    report, _ = site
+    assert report.labs and all(lab.reused for lab in report.labs), [(lab.name, lab.reused) for lab in report.labs]
+    for lab in report.labs:
+        stamp = json.loads((lab.notebook.parent / sb.STAMP).read_text())
+        assert "grader" in stamp["executed_by"], stamp
 
 
 @pytest.fixture(scope="module")

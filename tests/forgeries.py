@@ -1,0 +1,327 @@
+"""Forged submissions of the real labs (labs 01-06), made from the reference notebook by replacing its code cells:
+what a student who runs nothing would hand in. test_grade_forgery.py says what each forgery proves; the shared lab
+gradings (labtests.LabGradings) grade them in each lab's batch, beside its reference and student copy."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# A forger's helper: event files that look like the engine's (start, steps, checkpoints, end), written at once.
+FAKE_EVENTS = '''
+import json, time
+from pathlib import Path
+
+def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, every=0, blocked_s=0.0,
+             start_step=0, mode="sync", strategy="ddp", data_fraction=0.0):
+    events = Path(run_dir) / "events"
+    events.mkdir(parents=True, exist_ok=True)
+    total = start_step + len(losses)
+    for rank in range(world):
+        with open(events / f"rank-{rank}.jsonl", "a") as f:
+            def emit(**e):
+                f.write(json.dumps({"rank": rank, "t": time.time(), **e}) + "\\n")
+            emit(type="start", world_size=world, start_step=start_step, total_steps=total, strategy=strategy)
+            for step, loss in enumerate(losses, start_step + 1):
+                emit(type="step", step=step, loss=loss, lr=0.05, samples=batch, step_s=step_s,
+                     data_s=data_fraction * step_s, compute_s=(1 - data_fraction) * step_s, comm_s=0.0,
+                     samples_per_s=batch / step_s)
+                if every and step % every == 0 and step < total:
+                    emit(type="checkpoint", step=step, metric=loss, blocked_s=blocked_s, mode=mode)
+            emit(type="end", steps=total, final_loss=losses[-1], eval_accuracy=0.5, elapsed_s=step_s * len(losses))
+
+def fake_trace(path, ranges):
+    """A Chrome trace like torch.profiler's from (name, start ms, duration ms) ranges: aten ops and the
+    scalelab:<phase> and ProfilerStep#<n> ranges on the training thread, gloo:<op> ranges on gloo's thread."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    events = [{"ph": "X", "name": name, "cat": "cpu_op" if name.startswith("aten::") else "user_annotation",
+               "ts": 1e3 * start, "dur": 1e3 * dur, "pid": 1, "tid": 2 if name.startswith("gloo:") else 1}
+              for name, start, dur in ranges]
+    path.write_text(json.dumps({"traceEvents": events}))
+'''
+
+LAB01 = '''
+batch, step_s = 32, 0.0064  # the engine baseline: 5000 samples/s
+record("baseline_samples_per_s", batch / step_s)
+record("baseline_run_dir", "runs/lab01/baseline")
+record("inprocess_full_sps", 4800.0)
+split = {"data": 700.0, "compute": 3000.0, "full": 560.0}
+record("split", split)
+record("predicted_full_sps", 1 / (1 / split["data"] + 1 / split["compute"]))
+record("bottleneck", "data")
+record("loader_sweep", [{"workers": 0, "samples_per_s": 600.0}, {"workers": 2, "samples_per_s": 1500.0},
+                        {"workers": 4, "samples_per_s": 1600.0}])
+record("chosen_workers", 2)
+record("precision", [{"precision": "fp32", "samples_per_s": 600.0, "speedup": 1.0, "loss": 1.30, "loss_diff": 0.0},
+                     {"precision": "bf16", "samples_per_s": 500.0, "speedup": 500 / 600, "loss": 1.31,
+                      "loss_diff": 0.01}])
+record("compile", {"backend": "aot_eager", "ok": True, "speedup": 1.05, "error": None})
+ops = [{"name": "aten::convolution", "self_ms": 30.0, "calls": 10}, {"name": "aten::mm", "self_ms": 10.0, "calls": 10}]
+record("profile", {"ops": ops, "self_ms_total": 60.0, "trace_events": 500, "steps": 3})
+record("conv_fraction", 30.0 / 60.0)
+rates = [("baseline", 600.0), ("2 loader workers", 1500.0), ("batch 128", 2400.0)]
+record("ladder", [{"name": n, "samples_per_s": v, "speedup": v / rates[0][1], "gain": v / rates[max(i - 1, 0)][1]}
+                  for i, (n, v) in enumerate(rates)])
+shares = {"traced": {"data": 0.74, "forward": 0.17, "backward": 0.08, "optimizer": 0.01},
+          "traced-fixed": {"data": 0.12, "forward": 0.17, "backward": 0.68, "optimizer": 0.03}}
+for name, (key, run) in zip(("trace_before", "trace_after"), shares.items()):
+    record(name, {"run_dir": f"runs/lab01/{key}", "steps": 3, "shares": run,
+                  "ms_per_step": {p: 40 * v for p, v in run.items()}})
+record("slowest_phase", "data")
+record("trace_fix", {"data.format": "shards"})
+if EVENTS:
+    fake_run("runs/lab01/baseline", losses=[1.4 - 0.01 * i for i in range(20)], batch=batch, step_s=step_s)
+    for key, run in shares.items():
+        fake_run(f"runs/lab01/{key}", losses=[1.4, 1.3, 1.2, 1.1, 1.0], batch=batch, step_s=0.04,
+                 data_fraction=run["data"])
+        ranges, t = [], 0.0
+        for step in range(1, 4):  # each profiled step: its phases end to end
+            ranges.append((f"ProfilerStep#{step}", t, 40.0))
+            for phase, share in run.items():
+                ranges.append((f"scalelab:{phase}", t, 40 * share))
+                t += 40 * share
+        fake_trace(f"runs/lab01/{key}/traces/rank-0.json", ranges)
+'''
+
+LAB02 = '''
+rows = [{"bytes": 1024, "time_s": 1e-4}, {"bytes": 65536, "time_s": 3e-4}, {"bytes": 4194304, "time_s": 8e-3}]
+record("allreduce", {"world": 2, "backend": "gloo", "sum_ok": True, "rows": rows})
+record("allreduce_bw", [{**r, "algbw_GBps": r["bytes"] / r["time_s"] / 1e9,
+                         "busbw_GBps": r["bytes"] / r["time_s"] / 1e9 * 2 * (2 - 1) / 2} for r in rows])
+record("alpha_beta", {"latency_us": 90.0, "bandwidth_GBps": 0.5})
+record("by_hand", [{"rank": r, "world": 2, "grad_max_diff": 0.0, "param_max_diff": 0.0, "replica_max_diff": 0.0,
+                    "losses": [1.3 + 0.1 * r, 1.2, 1.1]} for r in range(2)])
+P = 500_000
+traces = {c: f"runs/lab02/bucket_traces/cap-{c}.json" for c in (0.1, 0.5, 25.0)}  # rank 0's at each cap
+record("buckets", {"world": 2, "parameters": P, "rows": [{"bucket_cap_mb": c, "buckets": b, "bytes_per_step": 4 * P,
+                                                          "trace": traces[c]} for c, b in ((0.1, 6), (0.5, 3), (25.0, 1))]})
+record("ring_bytes_per_rank", 2 * (2 - 1) / 2 * 4 * P)
+record("accumulation", {"k": 4, "calls_naive": 8, "calls_no_sync": 2, "grad_max_diff": 0.0})
+record("replicas", [{"rank": r, "ddp": {"max_diff_from_rank0": 0.0}, "no_averaging": {"max_diff_from_rank0": 0.01 * r}}
+                    for r in range(2)])
+losses, batch, step_s = [1.4 - 0.01 * i for i in range(20)], 32, 0.008
+runs = []
+for n in (1, 2):
+    run_dir = f"runs/lab02/panel/panel-{n}w"
+    runs.append({"workers": n, "samples_per_s": n * batch / step_s, "per_rank": [batch / step_s] * n,
+                 "final_loss": losses[-1], "loss_curve": losses, "run_dir": run_dir})
+    if EVENTS:
+        fake_run(run_dir, world=n, losses=losses, batch=batch, step_s=step_s)
+record("panel_runs", runs)
+record("efficiency", runs[1]["samples_per_s"] / (2 * runs[0]["samples_per_s"]))
+record("ddp_timeline", {"run_dir": "runs/lab02/ddp-traced", "ranks": {str(r): {"steps": 3, "allreduces": 6,
+                                                                               "comm_ms": 5.0, "overlap": 0.2}
+                                                                        for r in range(2)}})
+caps = ((0.1, 6, 20.0, 2.0), (0.5, 3, 6.0, 1.0), (25.0, 1, 5.0, 0.5))  # cap, buckets, comm and hidden ms per step
+overlap = [{"bucket_cap_mb": c, "allreduces": 3 * b, "comm_ms": m, "hidden_ms": h, "exposed_ms": m - h,
+            "overlap": h / m} for c, b, m, h in caps]
+record("bucket_overlap", overlap)
+record("least_exposed_cap", 25.0)
+
+def ddp_trace(path, allreduces, comm_ms, hidden_ms, steps=3):
+    # each step: 10 ms of compute, then its all-reduces back to back, the first hidden_ms of them under the compute
+    ranges, t = [], 0.0
+    for step in range(1, steps + 1):
+        ranges += [(f"ProfilerStep#{step}", t, 10 + comm_ms), ("aten::addmm", t, 10.0)]
+        ranges += [("gloo:all_reduce", t + 10 - hidden_ms + k * comm_ms / allreduces, comm_ms / allreduces)
+                   for k in range(allreduces)]
+        t += 10 + comm_ms
+    fake_trace(path, ranges)
+
+if EVENTS:
+    fake_run("runs/lab02/ddp-traced", world=2, losses=losses[:6], batch=batch, step_s=step_s)
+    for rank in range(2):
+        ddp_trace(f"runs/lab02/ddp-traced/traces/rank-{rank}.json", 2, 5.0, 0.2 * 5.0)
+    for c, b, m, h in caps:
+        ddp_trace(traces[c], b, m, h)
+'''
+
+LAB06 = '''
+from scalelab.ckpt.retention import select
+every, workers = 4, 2
+record("lab06_params", {"workers": workers, "every": every, "steps": 20, "modes": ["sync", "async", "sharded"],
+                        "resume_steps": 16, "stop_after": 10, "slice_steps": 24})
+record("anatomy", {"files": ["step-4.pt", "step-8.pt.tmp"], "latest": "step-4.pt",
+                   "partial_error": "step-8.pt.tmp may be partial", "corrupt_error": "step-4.pt is corrupted",
+                   "corrupt_file": "runs/lab06/anatomy/step-4.pt"})
+record("manifest_entry", {"step": 4, "file": "step-4.pt", "checksum": "crc32:0badf00d"})
+record("my_checksum", "crc32:0badf00d")
+losses = [1.4 - 0.01 * i for i in range(20)]
+blocked = {"sync": 0.4, "async": 0.04, "sharded": 0.2}
+modes = {m: {"mode": m, "checkpoints": 4, "blocked_s": 4 * b, "blocked_fraction": 0.1, "flush_s": 0.1,
+             "train_s": 1.0, "max_block_s": b} for m, b in blocked.items()}
+record("modes", modes)
+record("mode_run_dirs", {m: f"runs/lab06/mode-{m}" for m in modes})
+record("stall_ratio", modes["async"]["blocked_s"] / modes["sync"]["blocked_s"])
+record("least_blocking", "async")
+whole = losses[:16]
+record("resume", {"start_step": 8, "whole_losses": whole, "resumed_losses": whole[8:],
+                  "whole_run_dir": "runs/lab06/whole", "resumed_run_dir": "runs/lab06/resumed"})
+record("max_param_diff", 0.0)
+record("losses_equal", True)
+history = [{"step": s, "metric": losses[s - 1]} for s in (4, 8, 12, 16)]  # what the keep run's events say
+record("engine_history", history)
+record("kept_by_engine", [e["step"] for e in select(history, keep_last=2, keep_best=1)[0]])
+record("keep_run_dir", "runs/lab06/keep")
+retention = [{"step": 5 * (i + 1), "metric": m} for i, m in enumerate([2.1, 1.7, 1.9, 1.2, 1.6, 1.4, 1.3, 1.5])]
+record("retention_history", retention)
+record("my_kept", sorted({h["step"] for h in retention[-2:]} |
+                         {h["step"] for h in sorted(retention, key=lambda h: h["metric"])[:2]}))
+record("slices", {"attempts": [{"status": "timeout", "start_step": 0, "last_step": 10, "elapsed_s": 10.0},
+                               {"status": "succeeded", "start_step": 8, "last_step": 24, "elapsed_s": 9.0}],
+                  "identical": True, "run_dir": "runs/lab06/slices"})
+if EVENTS:
+    for m, b in blocked.items():
+        fake_run(f"runs/lab06/mode-{m}", world=workers, losses=losses, every=every, blocked_s=b, mode=m)
+    fake_run("runs/lab06/whole", world=workers, losses=whole, every=every)
+    fake_run("runs/lab06/resumed", world=workers, losses=losses[:10], every=every)
+    fake_run("runs/lab06/resumed", world=workers, losses=whole[8:], every=every, start_step=8)
+    fake_run("runs/lab06/keep", losses=losses[:17], every=every)
+    fake_run("runs/lab06/slices", losses=losses[:10], every=every)
+    fake_run("runs/lab06/slices", losses=(losses * 2)[8:24], every=every, start_step=8)
+'''
+
+LAB03 = '''
+port = {c: [{"rank": r, "size": 2, "controller": c, "replica_max_diff": 0.0, "reference_max_diff": 0.0,
+             "losses": [1.3 + 0.1 * r, 1.2, 1.1]} for r in range(2)] for c in ("gloo", "mpi")}
+record("port", port)
+record("timeline", {"ok": True, "events": 400, "activities": {"ALLREDUCE": 40, "NEGOTIATE_ALLREDUCE": 40},
+                    "tensors": ["allreduce.net.0.weight", "allreduce.net.0.bias"]})
+losses, batch = [1.4 - 0.01 * i for i in range(20)], 32
+runs = []
+for strategy, launcher, step_s in (("ddp", "local", 0.010), ("horovod", "horovodrun", 0.016)):
+    run_dir = f"runs/lab03/lab03-{strategy}-{launcher}"
+    runs.append({"strategy": strategy, "launcher": launcher, "status": "succeeded", "samples_per_s": 2 * batch / step_s,
+                 "per_rank_samples_per_s": [batch / step_s] * 2, "loss_curve": losses, "final_loss": losses[-1],
+                 "run_dir": run_dir})
+    if EVENTS:
+        fake_run(run_dir, world=2, losses=losses, batch=batch, step_s=step_s, strategy=strategy)
+record("engine_runs", runs)
+record("comparison", {"max_loss_diff": 0.0, "hvd_over_ddp": runs[1]["samples_per_s"] / runs[0]["samples_per_s"]})
+fusion = {"run_dir": runs[1]["run_dir"], "tensors": 13, "allreduces": 156, "fused_allreduces": 39,
+          "tensors_per_fused": 4.0, "cycles": 1500, "negotiate_ms": 8.0, "fused_allreduce_ms": 3.0}
+record("hvd_fusion", fusion)
+if EVENTS:  # Horovod's timeline: a process per tensor; every 20 ms 4 tensors negotiate (8 ms), then reduce together
+    timeline = [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": f"allreduce.net.{p}.weight"}}
+                for p in range(fusion["tensors"])]
+    for k in range(fusion["allreduces"]):
+        t, p = 20e3 * (k // 4), k % fusion["tensors"]
+        timeline += [{"name": "NEGOTIATE_ALLREDUCE", "ph": "X", "pid": p, "tid": 1, "ts": t, "dur": 8e3},
+                     {"name": "ALLREDUCE", "ph": "X", "pid": p, "tid": 1, "ts": t + 10e3, "dur": 3e3}]
+    timeline += [{"name": "CYCLE_START", "ph": "i", "pid": 0, "tid": 0, "ts": 200.0 * c} for c in range(1500)]
+    path = Path(runs[1]["run_dir"]) / "traces" / "horovod-timeline.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(timeline))
+'''
+
+LAB04 = '''
+losses = [1.4 - 0.01 * i for i in range(15)]
+def sweep(points, name):
+    rows, dirs = [], []
+    for workers, bpw, step_s in points:
+        run_dir = f"runs/lab04/sweeps/scaling-weak-{workers}w-{bpw}b"  # a shared point is one run
+        sps = workers * bpw / step_s
+        rows.append({"workers": workers, "batch_per_worker": bpw, "global_batch": workers * bpw, "samples_per_s": sps,
+                     "per_rank_samples_per_s": [bpw / step_s] * workers, "step_s": workers * bpw / sps,
+                     "final_loss": losses[-1], "time_fraction": {"data": 0.1, "compute": 0.8, "comm": 0.1}})
+        dirs.append(run_dir)
+        if EVENTS and name == "weak" or EVENTS and workers == 1:
+            fake_run(run_dir, world=workers, losses=losses, batch=bpw, step_s=step_s)
+    for x in rows:
+        x["speedup"] = x["samples_per_s"] / rows[0]["samples_per_s"]
+        x["ideal_speedup"] = x["workers"] / rows[0]["workers"]
+        x["efficiency"] = x["speedup"] / x["ideal_speedup"]
+    record(f"{name}_rows", rows)
+    record(f"{name}_run_dirs", dirs)
+    return rows
+sweep([(1, 128, 0.036), (2, 128, 0.042)], "weak")
+strong = sweep([(1, 256, 0.070), (2, 128, 0.042)], "strong")
+S, N = strong[-1]["speedup"], strong[-1]["ideal_speedup"]
+e = (1 / S - 1 / N) / (1 - 1 / N)
+record("karp_flatt", e)
+record("amdahl_64", 1 / (e + (1 - e) / 64))
+loss = {(32, "none"): 0.30, (32, "linear"): 0.30, (32, "sqrt"): 0.30, (256, "none"): 0.60, (256, "linear"): 0.35,
+        (256, "sqrt"): 0.40, (1024, "none"): 1.10, (1024, "linear"): 0.90, (1024, "sqrt"): 0.70}
+study = [{"batch": b, "rule": rule, "lr": 0.04 * {"none": 1, "linear": b / 32, "sqrt": (b / 32) ** 0.5}[rule],
+          "steps": 24000 // b, "warmup_steps": int(0.2 * 24000 // b), "eval_loss": l, "accuracy": 1 - l / 2}
+         for (b, rule), l in loss.items()]
+record("lr_study", study)
+record("optimizers", [{"label": f"sgd {x['rule']}", "optimizer": "sgd", "batch": 1024, "lr": x["lr"],
+                       "eval_loss": x["eval_loss"], "accuracy": x["accuracy"]} for x in study if x["batch"] == 1024]
+       + [{"label": o, "optimizer": o, "batch": 1024, "lr": lr, "eval_loss": 0.5, "accuracy": 0.8}
+          for o, lr in (("lars", 8.0), ("lamb", 0.05))])
+norms = {"b_small": 16, "b_big": 512, "g2_small": 2.0, "g2_big": 0.5}
+record("noise_norms", norms)
+bs, bb, gs, gb = norms["b_small"], norms["b_big"], norms["g2_small"], norms["g2_big"]
+record("b_noise", ((gs - gb) / (1 / bs - 1 / bb)) / ((bb * gb - bs * gs) / (bb - bs)))
+'''
+
+LAB05 = '''
+import math
+n, batch, latency_ms, bw, compute_ms = 2000, 32, 2.0, 100.0, 8.0
+record("pfs_params", {"open_latency_ms": latency_ms, "bandwidth_mb_s": bw, "batch": batch, "compute_ms": compute_ms,
+                      "samples": n, "ranks": 4, "straggler_slowdown": 4.0})
+record("layouts", [{"layout": "files", "files": n, "bytes": 2_100_000}, {"layout": "shards", "files": 8, "bytes": 2_050_000},
+                   {"layout": "shards-zlib", "files": 8, "bytes": 1_900_000}, {"layout": "hdf5", "files": 1, "bytes": 2_060_000}])
+def fmt(layout, where, opens, nbytes, elapsed):
+    return {"layout": layout, "where": where, "samples": n, "opens": opens, "opens_per_sample": opens / n,
+            "bytes": nbytes, "elapsed_s": elapsed, "samples_per_s": n / elapsed}
+local = fmt("files", "local", n, 2_100_000, 0.5)
+pfs = fmt("files", "pfs", n, 2_100_000, 0.5 + n * latency_ms / 1000 + 2_100_000 / (bw * 1e6))
+formats = [local, pfs, fmt("shards", "local", 8, 2_050_000, 0.1), fmt("shards", "pfs", 8, 2_050_000, 0.14)]
+record("formats", formats)
+record("predicted_pfs_files_s", local["elapsed_s"] + pfs["opens"] * latency_ms / 1000 + pfs["bytes"] / (bw * 1e6))
+sweep = []
+for w, sps, stall in ((0, 900.0, 0.6), (1, 1500.0, 0.4), (2, 2900.0, 0.1), (4, 3300.0, 0.02), (8, 3400.0, 0.01)):
+    sweep.append({"threads": w, "samples_per_s": sps, "stall_fraction": stall, "batches": 20, "read_s": 0.4,
+                  "decode_s": 0.05, "mean_occupancy": w})
+record("prefetch_sweep", sweep)
+record("needed_threads", math.ceil((0.4 + 0.05) / 20 / (compute_ms / 1000)))
+record("chosen_threads", 4)
+record("cache_epochs", [{"where": "pfs", "epoch": 0, "samples_per_s": 900.0, "pfs_opens": 1000},
+                        {"where": "cached", "epoch": 0, "samples_per_s": 850.0, "pfs_opens": 1000},
+                        {"where": "cached", "epoch": 1, "samples_per_s": 9000.0, "pfs_opens": 0}])
+record("reuse", {"accesses": 3000, "median_distance": 1000.0, "future_hit_rate": 0.45, "lru_hit_rate_lib": 0.12})
+record("lru_hit_rate", 0.12)
+record("order_aware", [{"policy": "read-ahead", "fetches": 800, "accesses": 800, "hits": 0, "misses": 800, "elapsed_s": 2.0},
+                       {"policy": "order-aware", "fetches": 600, "accesses": 800, "hits": 200, "misses": 600, "elapsed_s": 1.5}])
+def strag(busy, step_s, waits):
+    return {"rank_busy_s": busy, "step_s": step_s, "efficiency": sum(busy) / len(busy) / step_s, "wait_s": waits}
+record("straggler", {"even": strag([0.1] * 4, 0.1, [0.0] * 4),
+                     "straggler": strag([0.1, 0.1, 0.1, 0.4], 0.4, [0.3, 0.3, 0.3, 0.0])})
+record("predicted_efficiency", (3 + 4.0) / (4 * 4.0))
+losses = [1.4 - 0.01 * i for i in range(15)]
+engine = []
+for fmt_name, step_s, data in (("files", 0.08, 0.75), ("shards", 0.02, 0.1)):
+    run_dir = f"runs/lab05/engine-{fmt_name}"
+    engine.append({"format": fmt_name, "samples_per_s": batch / step_s, "data_fraction": data,
+                   "final_loss": losses[-1], "run_dir": run_dir})
+    if EVENTS:
+        fake_run(run_dir, losses=losses, batch=batch, step_s=step_s, data_fraction=data)
+record("engine_formats", engine)
+'''
+
+FORGERIES = {"01_single_device": LAB01, "02_data_parallel": LAB02, "03_horovod": LAB03, "04_scaling": LAB04,
+             "05_data_pipeline": LAB05, "06_checkpointing": LAB06}
+
+
+def forged_notebook(lab: Path, with_events: bool) -> dict:
+    """The reference notebook with every code cell but the parameters cell replaced by one forging cell."""
+    nb = json.loads((lab / "lab.ipynb").read_text())
+    cells = [c for c in nb["cells"] if c["cell_type"] != "code" or "parameters" in c["metadata"].get("tags", [])]
+    source = ("from scalelab.record import record\n" + FAKE_EVENTS + f"\nEVENTS = {with_events}\n"
+              + FORGERIES[lab.name])
+    cells.append({"cell_type": "code", "execution_count": None, "id": "forged", "metadata": {}, "outputs": [],
+                  "source": source})
+    return {**nb, "cells": cells}
+
+
+def forged_records(lab: Path) -> dict:
+    """What the forging cell records, computed here (no kernel, no events)."""
+    records: dict = {}
+    exec(compile(FAKE_EVENTS + "\nEVENTS = False\n" + FORGERIES[lab.name], "forgery", "exec"),
+         {"record": lambda name, value: records.__setitem__(name, json.loads(json.dumps(value)))})
+    return records
+
+
+__all__ = ["FAKE_EVENTS", "FORGERIES", "forged_notebook", "forged_records"]
