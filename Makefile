@@ -9,6 +9,9 @@ VENV ?= .venv
 PYTHON ?= python3
 SCALELAB_CONSTRAINTS ?= constraints/cpu.txt
 PYTEST_ARGS ?=
+# Test processes side by side (pytest-xdist); tests that share a cluster, a hub or the labs' one grading keep to one
+# worker each (tests/conftest.py: xdist_group_of). 0 runs everything in one process, in file order.
+PYTEST_WORKERS ?= 2
 HUB_ARGS ?=
 DOCTOR_ARGS ?=
 export VENV PYTHON SCALELAB_CONSTRAINTS
@@ -17,8 +20,11 @@ PY := $(VENV)/bin/python
 # What tests, hub and benchmarks run with: the venv's bin first on PATH, as if activated, so that
 # configurable-http-proxy, horovodrun and scalelab are found there (by JupyterHub and the launchers too).
 IN_VENV := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
-# --durations: every run (CI included) ends with its slowest tests, where the suite's time goes
-PYTEST_CMD := $(IN_VENV) $(PY) -m pytest $(PYTEST_ARGS) --durations=30
+# --durations: every run (CI included) ends with its slowest tests, then the time per test file (tests/conftest.py),
+# where the suite's time goes
+PYTEST_CMD := $(IN_VENV) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) --durations=30
+# make test-quick: what an edit-test loop needs (units and the engine), no labs, clusters, hubs or browser
+QUICK_MARKS := not slow and not slurm and not netns and not hub and not browser
 
 # $(call phase,TITLE,COMMAND): COMMAND between two banners; the closing one says ok/FAILED and how long it took.
 define phase
@@ -28,13 +34,13 @@ if [ $$rc -eq 0 ]; then s=ok; else s="FAILED (exit $$rc)"; fi; \
 printf '<== %s: %s in %d.%ds\n' "$(1)" "$$s" $$((ms / 1000)) $$((ms % 1000 / 100)); exit $$rc
 endef
 
-.PHONY: help setup venv test hub bench site doctor clean
+.PHONY: help setup venv test test-quick hub bench site doctor clean
 
 help: ## this list
 	@echo "scalelab: 'make hub' and 'make test' set everything up first (Debian packages as root, .venv, proxy, Horovod)"
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-7s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "variables: VENV=$(VENV) PYTHON=$(PYTHON) SCALELAB_CONSTRAINTS=$(SCALELAB_CONSTRAINTS)"
-	@echo "           PYTEST_ARGS='...' (make test)  HUB_ARGS='...' (make hub)  DOCTOR_ARGS=--json (make doctor)"
+	@echo "           PYTEST_ARGS='...' PYTEST_WORKERS=2 (make test)  HUB_ARGS='...' (make hub)  DOCTOR_ARGS=--json (make doctor)"
 
 setup: ## set everything up; only checks what is already done
 	$(call phase,setup 1/4: Debian packages,bash tools/ensure_debian.sh)
@@ -45,8 +51,11 @@ setup: ## set everything up; only checks what is already done
 venv: ## only the Python venv step of the set-up
 	$(call phase,setup: Python venv $(VENV),bash tools/ensure_venv.sh)
 
-test: setup ## set up, then run the tests, one after another (PYTEST_ARGS='tests/test_x.py -k y')
+test: setup ## set up, then run every test, PYTEST_WORKERS side by side (PYTEST_ARGS='tests/test_x.py -k y')
 	$(call phase,tests: pytest,$(PYTEST_CMD) || (rc=$$?; [ $$rc -ne 5 ] || echo "make test: pytest collected no tests (exit 5); that is a failure: check PYTEST_ARGS" >&2; exit $$rc))
+
+test-quick: setup ## units and the engine only, side by side (no labs, clusters, hubs or browser; a few minutes)
+	$(call phase,tests: pytest (quick),$(PYTEST_CMD) -m "$(QUICK_MARKS)")
 
 hub: setup ## set up, then start JupyterHub with the course (HUB_ARGS='...' goes to `scalelab hub`)
 	@echo "==> hub: $(VENV)/bin/scalelab hub $(HUB_ARGS)"
