@@ -182,3 +182,16 @@ def test_cli_surface_is_frozen():
     assert {"run", "doctor", "cluster"} <= set(commands)
     flags = {opt for a in commands["run"]._actions for opt in a.option_strings}
     assert {"--preset", "--workers", "--nodes", "--strategy", "--launcher", "--set", "--json", "--spec"} <= flags
+
+
+def test_free_ports_come_from_below_the_kernels_ephemeral_range():
+    # A port from bind(0) is ephemeral: between the pick and the rank's bind the kernel may hand it to any connection
+    # (a rank's TCPStore got EADDRINUSE with two test workers side by side). Below the range only another pick can.
+    import socket
+    from scalelab.run.procs import PORT_FLOOR, _ephemeral_range, free_port
+    low, _ = _ephemeral_range()
+    ports = [free_port() for _ in range(30)]
+    assert all(PORT_FLOOR <= p < low for p in ports), ports
+    assert len(set(ports)) > 20, "picked at random, not one port again and again"
+    with socket.socket() as s:
+        s.bind(("", ports[0]))  # free on every address, as a rendezvous binds it

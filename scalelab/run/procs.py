@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 
 def alive(proc) -> bool:
@@ -105,9 +106,34 @@ def describe_exit(code: int) -> str:
     return f"exit status {code}"
 
 
+PORT_FLOOR = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback right now (for a rendezvous or a hub under test)."""
-    with socket.socket() as s:
+    """A TCP port free on every address right now (for a rendezvous or a hub under test), picked at random below
+    the kernel's ephemeral range. The caller binds it later; a port from bind(0) is ephemeral, so in between the
+    kernel could give it to any connection on the machine (two test runs side by side hit EADDRINUSE in a rank's
+    TCPStore). Below that range only another pick like this one can land on it (1 in ~12 000)."""
+    import random
+    low, _ = _ephemeral_range()
+    top = low if low > PORT_FLOOR + 1000 else 65536
+    for _ in range(200):
+        port = random.randrange(PORT_FLOOR, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
