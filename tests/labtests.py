@@ -217,7 +217,9 @@ class LabGradings:
         self.workdir = Path(tempfile.mkdtemp(prefix="sl-"))  # short: runs bind Unix sockets in job folders
         self.workdir.chmod(0o755)  # the throwaway uids enter their job folders through it
         self.in_flight = TwoInFlight(labs, self._grade, "grade-lab")
-        self.other = OtherBatch(tmp / "other", needed=lambda: self.active < 2)
+        # load for a lab graded alone only: the fixture is the session's, so `active < 2` kept grading after the
+        # last lab, beside every later test of this worker, until the session ended
+        self.other = OtherBatch(tmp / "other", needed=lambda: self.active == 1)
 
     @property
     def active(self) -> int:
