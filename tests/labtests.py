@@ -45,22 +45,10 @@ def student_source(source: str) -> str:
     return strip_solutions(source)[0]
 
 
-def student_copy(lab_dir: Path, dest: Path) -> Path:
-    """Copy a lab without hidden checks and with its solutions removed; returns the copy's folder."""
-    dest = Path(dest) / lab_dir.name
-    shutil.copytree(lab_dir, dest, ignore=shutil.ignore_patterns("hidden_checks.py", "runs", "__pycache__"))
-    nb = json.loads((lab_dir / "lab.ipynb").read_text())
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            cell["source"] = student_source("".join(cell["source"]))
-    (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
-    return dest
-
-
 def working_copy(lab_dir: Path, dest: Path) -> Path:
-    """The lab's student files copied to `dest` (the lab's own folder), to execute the lab there: a lab run in
+    """The lab's student files copied into the folder `dest`, to execute or submit the lab from there: a lab run in
     labs/ itself writes its %%writefile modules there, which changes the lab's hash (the site's cache key)."""
-    dest = Path(dest) / lab_dir.name
+    dest = Path(dest)
     for rel in student_files(lab_dir):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(lab_dir / rel, dest / rel)
@@ -287,10 +275,7 @@ def _grade_lab(lab: Path, tmp: Path, workdir: Path) -> LabBatch:
     """The reference (with its solved modules), the released student copy, a legacy submission where the lab has
     one and the lab's forgeries where it has them, as submitted folders, graded in one batch at -j 2."""
     subs = tmp / "submissions"
-    (subs / "reference").mkdir(parents=True)
-    for rel in student_files(lab):
-        (subs / "reference" / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(lab / rel, subs / "reference" / rel)
+    working_copy(lab, subs / "reference")
     release_lab(lab, subs / "student_copy")
     names = ["reference", "student_copy"]
     legacy = LEGACY / lab.name

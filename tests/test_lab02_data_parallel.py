@@ -84,7 +84,7 @@ def test_the_lab_at_two_nodes_launches_a_panel_run_across_them(nodes_cluster, tm
     """The panel's nodes field at nodes = 2 on the namespace cluster: one rank on each node, learning like the
     1-node runs (same global batch as 2 workers on one node)."""
     params = {**grading_parameters(LAB), "nodes": 2, "out_dir": str(tmp_path / "runs")}
-    work = working_copy(LAB, tmp_path)  # not in labs/: its %%writefile cells would change the lab there
+    work = working_copy(LAB, tmp_path / LAB.name)  # not in labs/: its %%writefile cells would change the lab there
     result = execute_notebook(work / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=work,
                               cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
     assert result.ok, result.error and result.error.details()

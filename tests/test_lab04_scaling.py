@@ -68,7 +68,7 @@ def test_the_lab_at_two_nodes_trains_across_them_and_a_slow_link_shows_in_the_co
     shaped to 1 Mbit/s; the exercise's numbers follow from the rows, and the shaping is taken off afterwards."""
     from scalelab.course.execute import execute_notebook
     params = {**grading_parameters(LAB), "nodes": 2, "slow_link": "1mbit", "out_dir": str(tmp_path / "runs")}
-    work = working_copy(LAB, tmp_path)  # not in labs/: its %%writefile cells would change the lab there
+    work = working_copy(LAB, tmp_path / LAB.name)  # not in labs/: its %%writefile cells would change the lab there
     result = execute_notebook(work / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=work,
                               cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
     assert result.ok, result.error and result.error.details()
