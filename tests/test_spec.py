@@ -72,6 +72,8 @@ _OUT_OF_RANGE = {
     "world.wait": "busy", "world.spin_ms": -0.5, "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,
     "optim.lr": 0.0, "optim.lr_scaling": "cubic", "optim.base_batch": 0, "optim.warmup_steps": -1,
     "optim.momentum": 1.0, "optim.weight_decay": -0.1, "optim.grad_accum": 0, "precision": "fp8",
+    "optim.schedule": "step", "optim.min_lr_fraction": 1.5, "optim.poly_power": 0.0, "optim.comm_hook": "topk",
+    "optim.comm_ratio": 0.0, "optim.comm_rank": 0,
     "optim.kfac_damping": 0.0, "optim.kfac_factor_every": 0, "optim.kfac_inv_every": 0, "optim.kfac_kl_clip": -1.0,
     "optim.kfac_grad_worker_fraction": 1.5,
     "checkpoint.every_steps": -1, "checkpoint.mode": "magic", "checkpoint.keep_last": 0, "checkpoint.keep_best": -1,
@@ -101,7 +103,8 @@ def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
     free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress",
                  "fsdp.reshard_after_forward", "model.activation_checkpointing",
                  "checkpoint.on_signal", "slurm.requeue", "checkpoint.local_dir",
-                 "profile.enabled", "profile.record_shapes", "profile.profile_memory", "profile.with_stack"}
+                 "profile.enabled", "profile.record_shapes", "profile.profile_memory", "profile.with_stack",
+                 "optim.comm_error_feedback"}
     assert set(RULES) - free_text == set(_OUT_OF_RANGE)
 
 
@@ -118,6 +121,7 @@ def test_a_choice_error_lists_what_is_allowed():
     ({"backend": "nccl", "device": "cpu"}, "backend", "GPUs"),
     ({"precision": "fp16", "device": "cpu"}, "precision", "bf16"),
     ({"optim.warmup_steps": 50, "steps": 10}, "optim.warmup_steps", "steps=10"),
+    ({"optim.comm_hook": "fp16", "strategy": "horovod", "launcher": "horovodrun"}, "optim.comm_hook", "strategy=ddp"),
     ({"data.samples": 16, "optim.batch_per_worker": 32}, "data.samples", "global batch"),
     ({"data.source": "path"}, "data.path", ".npz"),
     ({"data.source": "path", "data.path": "x.csv"}, "data.path", ".npz"),

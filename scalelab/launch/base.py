@@ -14,6 +14,7 @@ from ..dist import threads_per_rank
 from ..errors import LaunchError
 from ..run.events import EventReader
 from ..run.handle import Run
+from ..run.user_code import copy_user_code
 from ..run.procs import describe_exit, dies_with_this_process, kill_processes
 
 
@@ -39,6 +40,7 @@ def prepare_run_dir(spec):
                           ) from None
     spec = spec.replace(output_dir=str(run_dir))
     spec.save(run_dir / "spec.json")
+    copy_user_code(spec, run_dir)  # a hook or schedule of the student's own: the ranks import it from run_dir/code
     return spec, run_dir, EventReader(run_dir, from_now=True)
 
 

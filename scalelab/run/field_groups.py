@@ -108,6 +108,27 @@ class OptimSpec:
     """The global batch at which lr was tuned."""
     warmup_steps: int = 0
     """Steps of linear warm-up from lr/warmup_steps to the scaled lr."""
+    schedule: str = "constant"
+    """The rate after warm-up: constant, cosine (half a cosine down to min_lr_fraction x peak at the last step),
+    poly (peak x (1 - progress)^poly_power, down to min_lr_fraction x peak), or module:function, a schedule of your
+    own: function(step, total_steps, peak_lr, warmup_steps) -> lr for 0-based step (warm-up included), imported
+    from the launching folder's module.py (a copy goes into the run's code/ folder)."""
+    min_lr_fraction: float = 0.0
+    """cosine, poly: the rate at the last step, as a fraction of the peak."""
+    poly_power: float = 2.0
+    """poly: the exponent of (1 - progress)."""
+    comm_hook: str = "allreduce"
+    """How DDP exchanges each gradient bucket: allreduce (fp32, as DDP does by default), fp16 or bf16 (cast, all-reduce,
+    cast back: half the bytes), powersgd (torch's PowerSGD hook at rank comm_rank, error feedback on), or
+    module:function, a DDP communication hook of your own: function(state, bucket) -> Future of the bucket's averaged
+    gradient, with state.ratio, state.error_feedback, state.rank, state.world_size and state.memory (a dict kept
+    between steps), imported from the launching folder's module.py (a copy goes into the run's code/ folder)."""
+    comm_ratio: float = 0.01
+    """A hook of your own: the share of each bucket's entries a sparsifying hook sends (state.ratio)."""
+    comm_error_feedback: bool = True
+    """A hook of your own: carry what was not sent to the next step (state.error_feedback)."""
+    comm_rank: int = 1
+    """powersgd: the rank of the low-rank approximation."""
     momentum: float = 0.9
     """Momentum (sgd, lars) or beta1 (adamw, lamb)."""
     weight_decay: float = 0.0

@@ -20,6 +20,9 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "kfac")
 LR_SCALING = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("constant", "cosine", "poly")
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
+CODE_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}(\.[A-Za-z_][A-Za-z0-9_]{0,63}){0,4}:[A-Za-z_][A-Za-z0-9_]{0,63}$")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_MODES = ("sync", "async", "sharded", "multilevel")
 DATA_FORMATS = ("memory", "files", "shards", "hdf5")
@@ -40,6 +43,14 @@ def _choice(options):
     def check(v):
         if v not in options:
             return f"must be one of {', '.join(options)}"
+    return check
+
+
+def _choice_or_code(options):
+    def check(v):
+        if v not in options and not CODE_REF.match(v):
+            return (f"must be one of {', '.join(options)}, or module:function naming code of your own "
+                    "(e.g. my_hooks:topk_hook, from my_hooks.py beside the notebook)")
     return check
 
 
@@ -121,6 +132,13 @@ RULES = {
     "optim.lr_scaling": (str, _choice(LR_SCALING)),
     "optim.base_batch": (int, _int_at_least(1)),
     "optim.warmup_steps": (int, _int_at_least(0)),
+    "optim.schedule": (str, _choice_or_code(LR_SCHEDULES)),
+    "optim.min_lr_fraction": (float, _bounded_float(0.0, 1.0)),
+    "optim.poly_power": (float, _positive_float),
+    "optim.comm_hook": (str, _choice_or_code(COMM_HOOKS)),
+    "optim.comm_ratio": (float, _bounded_float(1e-6, 1.0)),
+    "optim.comm_error_feedback": (bool, None),
+    "optim.comm_rank": (int, _int_at_least(1, 64)),
     "optim.momentum": (float, _unit_interval),
     "optim.weight_decay": (float, _non_negative_float),
     "optim.grad_accum": (int, _int_at_least(1, 1024)),
@@ -256,6 +274,11 @@ def _cross_checks(spec) -> None:
             raise SpecError("backend", f"got 'gloo' with device 'cuda': {why}; use backend=nccl or auto (a GPU per rank), or device=cpu")
     if spec.precision == "fp16" and spec.device == "cpu":
         raise SpecError("precision", "got 'fp16' with device 'cpu'; CPU autocast supports bf16: use precision=bf16")
+    if spec.optim.comm_hook != "allreduce" and spec.strategy != "ddp":
+        raise SpecError("optim.comm_hook", f"got {spec.optim.comm_hook!r} with strategy {spec.strategy!r}; a "
+                                           "communication hook is DDP's: set strategy=ddp or comm_hook=allreduce")
+    if spec.optim.comm_hook == "powersgd" and spec.backend == "nccl" and spec.precision != "fp32":
+        raise SpecError("optim.comm_hook", "powersgd compresses fp32 gradients: use precision=fp32 with it")
     if spec.optim.warmup_steps > max(spec.steps, 1) and spec.epochs == 0:
         raise SpecError("optim.warmup_steps", f"got {spec.optim.warmup_steps}, more than steps={spec.steps}; "
                                               "lower it or raise steps")

@@ -42,7 +42,7 @@ from ..run.events import events_dir
 from ..run.combinations import horovod_elastic
 from .faults import maybe_inject, targets
 from .models import build_model
-from .optim import build_optimizer, lr_at, scaled_lr
+from .optim import build_optimizer, lr_of, scaled_lr
 from .strategies import pick_device
 
 
@@ -108,7 +108,7 @@ def replay(spec, steps: int | None = None) -> dict[str, torch.Tensor]:
     g = spec.global_batch
     for step in range(spec.steps if steps is None else steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, peak_lr, spec.optim.warmup_steps)
+            group["lr"] = lr_of(spec.optim, step, peak_lr, spec.steps)
         idx = batch_indices(step, len(y), g, spec.seed)
         optimizer.zero_grad()
         with _autocast(spec, torch.device("cpu")):
@@ -195,7 +195,7 @@ def train(spec, info, events) -> dict:
         while state.step < total:
             step = state.step
             _maybe_fault(spec, info.rank, step, events)
-            lr = lr_at(step, peak_lr, spec.optim.warmup_steps)
+            lr = lr_of(spec.optim, step, peak_lr, total)
             for pg in optimizer.param_groups:
                 pg["lr"] = lr
             t0 = time.perf_counter()

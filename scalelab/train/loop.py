@@ -23,9 +23,11 @@ from ..dist import threads_per_rank
 from .faults import maybe_inject
 from .forward import ForwardRecoveryDDP
 from .hostmem import apply_malloc_policy
+from ..run.user_code import code_hashes
+from .comm_hooks import WireCounter
 from .memory import CommCounter, SavedTensorBytes, device_peak, rss_peak_bytes, state_bytes
 from .models import build_model
-from .optim import build_optimizer, lr_at, scaled_lr
+from .optim import build_optimizer, lr_of, scaled_lr
 from .preempt import Preemption
 from .profiling import StepProfiler
 from .strategies import build_strategy, pick_device
@@ -82,16 +84,21 @@ def train(spec, info, events) -> dict:
                 cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                 total_steps=total_steps, start_step=start_step,
                 resumed_from=resumed_from, global_batch=spec.global_batch, peak_lr=peak_lr,
-                parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy)
+                parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy,
+                comm_hook=spec.optim.comm_hook, schedule=spec.optim.schedule, code=code_hashes(run_dir))
+    # what each step handed to torch.distributed and sent (ring model): the bytes behind a compression claim
+    wire = WireCounter().install() if info.world_size > 1 and spec.strategy != "horovod" else None
 
     loss_value = float("nan")
     preemption = Preemption(spec.checkpoint.on_signal)  # SIGTERM/SIGUSR1 -> emergency checkpoint, clean exit
     profiler.start(start_step)
     for step in range(start_step, total_steps):
         maybe_inject(spec.fault, info.rank, step, events)
-        lr = lr_at(step, peak_lr, spec.optim.warmup_steps)
+        lr = lr_of(spec.optim, step, peak_lr, total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        if wire:
+            wire.take()  # from here to the step event
         t0 = time.perf_counter()
         data_s, loss_sum = 0.0, torch.zeros((), device=device)
         # the first step's collectives are counted (every step issues the same ones); later steps run unobserved
@@ -130,7 +137,7 @@ def train(spec, info, events) -> dict:
             exposed = comm_s if spec.strategy == "horovod" else 0.0  # DDP's buckets overlap backward
             events.emit("step", step=done, loss=loss_value, lr=lr, samples=batch * accum, step_s=step_s,
                         data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
-                        samples_per_s=batch * accum / step_s)
+                        samples_per_s=batch * accum / step_s, **(wire.take() if wire else {}))
         saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps
         if saved:
             _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)
@@ -140,6 +147,8 @@ def train(spec, info, events) -> dict:
                               preemption.signal, already_saved=saved)
 
     profiler.stop()
+    if wire:
+        wire.uninstall()
     _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
     final_loss = strategy.mean(loss_value)
     accuracy = _evaluate(raw_model, spec, info, device, autocast, strategy)

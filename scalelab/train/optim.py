@@ -13,11 +13,37 @@ def scaled_lr(optim, global_batch: int) -> float:
     return optim.lr * factor
 
 
-def lr_at(step: int, peak: float, warmup_steps: int) -> float:
-    """Learning rate for 0-based `step`: linear warm-up over `warmup_steps` (Goyal et al. 2017), then constant."""
+def lr_at(step: int, peak: float, warmup_steps: int, schedule: str = "constant", total_steps: int = 0,
+          min_lr_fraction: float = 0.0, poly_power: float = 2.0) -> float:
+    """Learning rate for 0-based `step`: linear warm-up over `warmup_steps` (Goyal et al. 2017), then the schedule:
+    constant, cosine (Loshchilov & Hutter 2017) or poly (peak x (1 - progress)^power), both ending at
+    min_lr_fraction x peak on the last step (total_steps - 1). A "module:function" schedule is called as
+    function(step, total_steps, peak, warmup_steps) -> lr, warm-up included (see `schedule_function`)."""
+    if ":" in schedule:
+        return float(schedule_function(schedule)(step, total_steps, peak, warmup_steps))
     if warmup_steps and step < warmup_steps:
         return peak * (step + 1) / warmup_steps
-    return peak
+    if schedule == "constant":
+        return peak
+    span = max(total_steps - 1 - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    low = min_lr_fraction * peak
+    if schedule == "cosine":
+        return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
+    if schedule == "poly":
+        return low + (peak - low) * (1 - progress) ** poly_power
+    raise ValueError(f"optim.schedule: unknown schedule {schedule!r}")
+
+
+def schedule_function(ref: str):
+    """The schedule a "module:function" reference names (imported from the run's code/ folder or sys.path)."""
+    from ..run.user_code import resolve_code
+    return resolve_code(ref, "optim.schedule")
+
+
+def lr_of(optim, step: int, peak: float, total_steps: int) -> float:
+    """`lr_at` with the spec's schedule fields."""
+    return lr_at(step, peak, optim.warmup_steps, optim.schedule, total_steps, optim.min_lr_fraction, optim.poly_power)
 
 
 def build_optimizer(optim, model: torch.nn.Module, peak_lr: float) -> torch.optim.Optimizer:

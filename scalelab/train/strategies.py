@@ -115,7 +115,11 @@ class DDPStrategy:
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.wait = resolve_wait(self.spec, self.info, host_collectives=self.backend == "gloo")
         model = DDP(model, device_ids=ids)
-        model.register_comm_hook(self, _timed_allreduce_hook)
+        if self.spec.optim.comm_hook == "allreduce":
+            model.register_comm_hook(self, _timed_allreduce_hook)
+        else:  # a cast, PowerSGD, or the student's own hook (train/comm_hooks.py)
+            from .comm_hooks import build_hook
+            model.register_comm_hook(*build_hook(self, self.spec.optim.comm_hook))
         return model, optimizer
 
     def full_state_dict(self, model) -> dict:

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.log_dir, exist_ok=True)
         redirect_output(os.path.join(args.log_dir, f"rank-{info.rank}.log"))
     events = EventWriter(spec.output_dir, info.rank)
+    from ..run.user_code import use_run_code
+    use_run_code(spec.output_dir)  # code of the student's own that the spec names (train/user_code.py)
     try:
         if elastic:
             from .hvd_elastic import train
