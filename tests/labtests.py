@@ -55,6 +55,67 @@ def working_copy(lab_dir: Path, dest: Path) -> Path:
     return dest
 
 
+WRONG = ROOT / "tests" / "wrong"
+"""tests/wrong/<lab>.py: WRONG = [(a line of one solution block, the wrong code that replaces that block), ...], one
+plausible mistake per code exercise (a hook that drops the residual, a timer without warm-up, ...). Every lab that
+has one is graded once more per run as the submission `wrong_code`, all its mistakes at once (the exercises are
+independent, and each check must notice its own)."""
+
+
+def wrong_solutions(lab: Path) -> list[tuple[str, str]]:
+    """The lab's (anchor, wrong code) pairs, [] where it has none."""
+    path = WRONG / f"{Path(lab).name[:2]}.py"
+    if not path.is_file():
+        return []
+    scope: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), scope)  # noqa: S102 - the project's own test data
+    return list(scope["WRONG"])
+
+
+def replace_block(source: str, anchor: str, code: str) -> tuple[str, bool]:
+    """`source` with the solution block that contains the line `anchor` replaced by `code` (markers dropped, the
+    block's indentation kept); (source, False) when no block holds it."""
+    lines, out, i, done = source.split("\n"), [], 0, False
+    while i < len(lines):
+        line = lines[i]
+        if line.strip() == BEGIN and not done:
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == END)
+            if any(anchor.strip() == x.strip() for x in lines[i + 1:end]):
+                indent = line[: len(line) - len(line.lstrip())]
+                out += [indent + x if x else x for x in code.strip("\n").split("\n")]
+                i, done = end + 1, True
+                continue
+        out.append(line)
+        i += 1
+    return "\n".join(out), done
+
+
+def wrong_copy(lab: Path, dest: Path) -> Path:
+    """The reference working copy with every solution block of `wrong_solutions(lab)` replaced by its mistake."""
+    working_copy(lab, dest)
+    for anchor, code in wrong_solutions(lab):
+        found = False
+        for path in [dest / "lab.ipynb", *sorted(dest.glob("*.py"))]:
+            if path.suffix == ".ipynb":
+                nb = json.loads(path.read_text())
+                for cell in nb["cells"]:
+                    text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                    new, hit = replace_block(text, anchor, code)
+                    if hit:
+                        cell["source"], found = new, True
+                        break
+                if found:
+                    path.write_text(json.dumps(nb, indent=1))
+            else:
+                new, found = replace_block(path.read_text(), anchor, code)
+                if found:
+                    path.write_text(new)
+            if found:
+                break
+        assert found, f"{lab.name}: no solution block holds the line {anchor!r} (tests/wrong/{lab.name[:2]}.py)"
+    return dest
+
+
 def grading_parameters(lab_dir: Path) -> dict:
     """The small CPU parameters lab.yaml gives for CI and grading."""
     return yaml.safe_load((lab_dir / "lab.yaml").read_text())["grading"]["parameters"]
@@ -91,6 +152,18 @@ def assert_stops_at_first_exercise(gradings, lab: Path, recorded: str, not_yet: 
     points, most, _ = grade(lab, records)
     assert points < share * most, f"{points}/{most}"
     return records
+
+
+def assert_wrong_code_loses(gradings, lab: Path, checks: dict[str, str]) -> None:
+    """The `wrong_code` submission (tests/wrong/<lab>.py) ran to the end and lost points on each named check (the
+    check that verifies that exercise's effect); the value says which mistake it had to notice. The reference's
+    100 % on the same checks is test_grade_labs'."""
+    result = gradings.batch(lab).by["wrong_code"]
+    assert result.status in ("ok", "cell_error"), f"{lab.name} wrong_code: {result.status} {result.message}"
+    by_name = {c.name: c for c in result.checks}
+    for name, mistake in checks.items():
+        c = by_name[name]
+        assert c.points < c.max_points, f"{name} gave full marks to {mistake}: {c.outcome} {c.message}"
 
 
 def assert_check_notices(lab_dir: Path, records: dict, forge, check_name: str) -> None:
@@ -282,6 +355,9 @@ def _grade_lab(lab: Path, tmp: Path, workdir: Path) -> LabBatch:
     if legacy.is_dir():  # handed in from a copy released before the modules moved: it must grade the same
         shutil.copytree(legacy, subs / "made_before_the_move")
         names.append("made_before_the_move")
+    if wrong_solutions(lab):  # one plausible mistake per code exercise, all in one submission
+        wrong_copy(lab, subs / "wrong_code")
+        names.append("wrong_code")
     paths = [subs / n for n in names]
     if lab.name in FORGERIES:  # single notebooks, as a forger hands them in
         for kind, events in (("forged_records", False), ("forged_events", True)):

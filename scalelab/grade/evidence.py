@@ -10,7 +10,9 @@ training anything. What the engine writes while it runs — per-rank event files
 A summary describes the run's *last launch* (what `Run.wait()` reported to the notebook; a resume appends a
 second launch to the same files): world_size, steps, start_step, launches, final_loss, samples_per_s,
 per_rank_samples_per_s, eval_accuracy, time_fraction, loss_curve, strategy, checkpoints, blocked_s,
-checkpoint_history, t_start, t_end — and `implausible`, the reasons the events cannot come from a real run
+checkpoint_history, t_start, t_end, lr_curve and step_numbers (rank 0's step events), wire_bytes_per_step (the median
+of rank 0's step events: what a DDP rank sent per step, ring model), comm_hook, schedule, code (the start event's
+{file: sha256} of code of the student's own the run imported) and hosts (where the ranks started) — and `implausible`, the reasons the events cannot come from a real run
 (empty when none were found). Records named `grader.*` that the notebook made itself are dropped first (a
 student cannot forge evidence by recording it). Checks read the evidence with `checks.evidence(r, run_dir)`,
 which fails on an implausible run, and `checks.made_runs(r)`.
@@ -163,6 +165,14 @@ def _summary(files: dict[int, list], started: float | None, now: float) -> dict[
         out["final_loss"] = None
     main = launches.get(0, [[]])[-1] if launches.get(0) else []
     start = main[0] if main and main[0].get("type") == "start" else {}
+    steps = [e for e in main if e.get("type") == "step"]
+    wire = [e.get("wire_bytes") for e in steps if isinstance(e.get("wire_bytes"), (int, float))]
+    out.update(lr_curve=[e.get("lr") for e in steps][:MAX_CURVE], step_numbers=[e.get("step") for e in steps][:MAX_CURVE],
+               wire_bytes_per_step=sorted(wire)[len(wire) // 2] if wire else None,
+               comm_hook=start.get("comm_hook"), schedule=start.get("schedule"),
+               code=start.get("code") if isinstance(start.get("code"), dict) else {},
+               hosts=sorted({str(e.get("host")) for r in sorted(launches) for e in
+                             (launches[r][-1][:1] if launches[r] else []) if e.get("type") == "start"}))
     out.update(launches=len(launches.get(0, [])), start_step=start.get("start_step"), strategy=start.get("strategy"),
                t_start=main[0].get("t") if main else None, t_end=main[-1].get("t") if main else None,
                **_checkpoints(main), implausible=reasons)
