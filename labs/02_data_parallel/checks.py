@@ -114,3 +114,14 @@ def bucket_traces_read(r):
     best = min(rows, key=lambda x: x["exposed_ms"])["bucket_cap_mb"]
     assert r["least_exposed_cap"] == best, f"least_exposed_cap={r['least_exposed_cap']!r}, but {best} MB leaves " \
                                            "the least communication exposed"
+
+
+@check(points=1, needs_run=True)
+def compression_runs_made(r):
+    """Section 7: the five compression runs trained, each with bytes sent per step and a loss (a run your hook
+    broke shows its error here)."""
+    rows = {x["name"]: x for x in r["compression"]}
+    for name in ("allreduce", "fp16", "powersgd", "topk_ef", "topk_no_ef"):
+        assert name in rows, f"no {name} run"
+        assert "error" not in rows[name], f"the {name} run failed: {rows[name]['error']}"
+        assert rows[name]["wire_bytes"] > 0 and math.isfinite(rows[name]["tail_loss"])

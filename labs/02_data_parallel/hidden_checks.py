@@ -123,3 +123,76 @@ def bucket_overlap_is_the_traces(r):
         close(1e3 * sum(b - a for a, b in comm) / steps, x["comm_ms"], what=f"cap {x['bucket_cap_mb']} comm ms")
         close(1e3 * overlap_seconds(comm, iv["compute"]) / steps, x["hidden_ms"],
               what=f"cap {x['bucket_cap_mb']} hidden ms")
+
+
+# --- section 7: gradient compression. Bytes and losses come from each run's own step events, never from the
+# notebook's numbers; the run must have imported the student's module (its code/ copy is named in the events).
+EF_BAND = 0.35
+"""Top-k with error feedback: its tail loss (mean of the last steps) at most this much above the all-reduce's."""
+NO_EF_GAP = 0.25
+"""Top-k without error feedback: its tail loss at least this much above the error-feedback run's."""
+
+
+def _compressed(r, name: str) -> dict:
+    """The named compression run's evidence (its event files), with the run's tail loss."""
+    from scalelab.experiments.compression import tail_loss
+    row = next((x for x in r["compression"] if x["name"] == name), None)
+    assert row is not None, f"no compression run named {name!r}"
+    assert "error" not in row, f"the {name} run did not run: {row['error']}"
+    found = evidence(r, row["run_dir"])
+    assert found["world_size"] >= 2, f"the {name} run had {found['world_size']} rank: compression needs 2 or more"
+    assert found["wire_bytes_per_step"], f"the {name} run's events count no bytes sent"
+    return {**found, "tail": tail_loss(found["loss_curve"])}
+
+
+def _yours(found: dict, hook: str, module: str) -> None:
+    assert found["comm_hook"] == hook, f"the run used comm_hook {found['comm_hook']!r}, not {hook!r}"
+    assert module in found["code"], f"the run did not import your {module} (its code/ folder holds {sorted(found['code'])})"
+
+
+@check(points=3, needs_run=True)
+def cast_hook_halves_the_bytes(r):
+    """Exercise 6, from the runs' events: your fp16 hook ran in every rank, each rank sent at most 55 % of the fp32
+    all-reduce's bytes per step, and the loss stayed within 0.1 of the all-reduce's."""
+    plain, cast = _compressed(r, "allreduce"), _compressed(r, "fp16")
+    _yours(cast, "my_cast:fp16_hook", "my_cast.py")
+    share = cast["wire_bytes_per_step"] / plain["wire_bytes_per_step"]
+    assert share <= 0.55, f"your cast hook's ranks sent {100 * share:.0f} % of the all-reduce's bytes (fp16: 50 %)"
+    assert abs(cast["tail"] - plain["tail"]) <= 0.1, \
+        f"loss {cast['tail']:.3f} against the all-reduce's {plain['tail']:.3f}: a cast should not change training"
+
+
+@check(points=2, needs_run=True)
+def topk_sends_under_two_percent(r):
+    """Exercise 7, from the run's events: your top-k hook (ratio 1 %) ran in every rank, and each rank sent at most
+    2 % of the all-reduce's bytes per step."""
+    plain, topk = _compressed(r, "allreduce"), _compressed(r, "topk_ef")
+    _yours(topk, "my_topk:topk_hook", "my_topk.py")
+    share = topk["wire_bytes_per_step"] / plain["wire_bytes_per_step"]
+    assert share <= 0.02, f"your top-k ranks sent {100 * share:.2f} % of the all-reduce's bytes (at most 2 %)"
+
+
+@check(points=3, needs_run=True)
+def error_feedback_keeps_the_loss(r):
+    """Exercise 7, from the runs' events: with error feedback the top-k run's loss (mean of its last steps) is within
+    0.35 of the all-reduce's; without it, at least 0.25 worse than with it."""
+    plain, ef, no_ef = (_compressed(r, n) for n in ("allreduce", "topk_ef", "topk_no_ef"))
+    _yours(ef, "my_topk:topk_hook", "my_topk.py")
+    assert ef["tail"] <= plain["tail"] + EF_BAND, \
+        f"with error feedback the loss is {ef['tail']:.3f}, more than {EF_BAND} above the all-reduce's " \
+        f"{plain['tail']:.3f}: is the residual added to the next step's gradient?"
+    assert no_ef["tail"] >= ef["tail"] + NO_EF_GAP, \
+        f"without error feedback the loss is {no_ef['tail']:.3f}, with it {ef['tail']:.3f}: the two runs do not " \
+        "differ (does your hook read state.error_feedback?)"
+
+
+@check(points=1, needs_run=True)
+def compression_rows_are_the_runs(r):
+    """The bytes and losses the notebook shows for the compression runs are their event files'."""
+    from scalelab.experiments.compression import tail_loss
+    for row in r["compression"]:
+        if "error" in row:
+            continue
+        found = evidence(r, row["run_dir"])
+        close(found["wire_bytes_per_step"], row["wire_bytes"], what=f"{row['name']} bytes per step")
+        close(tail_loss(found["loss_curve"]), row["tail_loss"], what=f"{row['name']} loss")
