@@ -195,3 +195,50 @@ def test_free_ports_come_from_below_the_kernels_ephemeral_range():
     assert len(set(ports)) > 20, "picked at random, not one port again and again"
     with socket.socket() as s:
         s.bind(("", ports[0]))  # free on every address, as a rendezvous binds it
+
+
+def test_lr_schedules_warm_up_then_decay_to_their_floor():
+    from scalelab.train.optim import lr_at
+    for schedule in ("cosine", "poly"):
+        lrs = [lr_at(s, 1.0, 3, schedule, 13, min_lr_fraction=0.1, poly_power=2.0) for s in range(13)]
+        assert lrs[:3] == pytest.approx([1 / 3, 2 / 3, 1.0]) and lrs[3] == pytest.approx(1.0)
+        assert lrs[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert lr_at(8, 1.0, 3, "cosine", 14) == pytest.approx(0.5)  # half way down the cosine (steps 3..13)
+    assert [lr_at(s, 0.5, 0, "constant", 10) for s in (0, 9)] == [0.5, 0.5]
+
+
+def test_code_a_spec_names_must_exist_beside_the_notebook(tmp_path):
+    from scalelab.errors import LaunchError
+    from scalelab.run.user_code import copy_user_code
+    spec = preset("tiny").with_overrides({"optim.comm_hook": "my_hooks:topk_hook"})
+    with pytest.raises(LaunchError, match=r"optim.comm_hook: 'my_hooks:topk_hook'.*my_hooks.py.*%%writefile"):
+        copy_user_code(spec, tmp_path / "run", source_dir=tmp_path)
+    (tmp_path / "my_hooks.py").write_text("def topk_hook(state, bucket): pass\n")
+    copied = copy_user_code(spec, tmp_path / "run", source_dir=tmp_path)
+    assert list(copied) == ["my_hooks.py"] and (tmp_path / "run" / "code" / "my_hooks.py").is_file()
+
+
+def test_wire_counter_counts_collectives_from_any_thread_with_the_ring_model():
+    import threading
+
+    import torch.distributed as dist
+
+    from scalelab.train.comm_hooks import _SENT, WireCounter
+    assert _SENT["all_reduce"](400, 2) == 400 and _SENT["all_reduce"](400, 4) == 600  # 2(N-1)/N S
+    assert _SENT["all_gather"](100, 4) == 300  # each rank's s reaches the N-1 others
+    original = dist.all_reduce
+    counter = WireCounter().install()
+    try:
+        assert dist.all_reduce is not original
+        calls = []
+        counter._originals["all_reduce"] = lambda *a, **k: calls.append(a)  # no process group needed
+        dist.all_reduce = counter._wrap(counter._originals["all_reduce"], "all_reduce", _SENT["all_reduce"])
+        worker = threading.Thread(target=dist.all_reduce, args=(torch.zeros(10),))
+        worker.start()
+        worker.join()
+        dist.all_reduce(torch.zeros(5, dtype=torch.float16))
+        assert counter.take() == {"comm_bytes": 50, "wire_bytes": 0, "collectives": 2}  # world 1 sends nothing
+        assert counter.take()["collectives"] == 0 and len(calls) == 2
+    finally:
+        counter.uninstall()
+        dist.all_reduce = original

@@ -58,3 +58,28 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_parameters(tmp_path
     a, b = final_params(straight.run_dir), final_params(second.run_dir)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=f"{name} differs after resume")
+
+
+def test_a_schedule_of_the_students_own_sets_every_steps_rate_and_its_code_is_kept(tmp_path, monkeypatch):
+    """optim.schedule = module:function: the launcher copies the module beside the notebook (here: the working folder)
+    into the run's code/ folder, the rank imports it from there, and the start event names the file and its hash."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_sched.py").write_text("def lr_at(step, total_steps, peak_lr, warmup_steps):\n"
+                                         "    return peak_lr * (total_steps - step) / total_steps\n")
+    run = launch(tiny(tmp_path, workers=1, steps=5, **{"optim.schedule": "my_sched:lr_at"}))
+    run.wait(timeout=120)
+    (tmp_path / "my_sched.py").write_text("raise ImportError('the run must not import this file again')\n")
+    lrs = [e["lr"] for e in run.events() if e["type"] == "step"]
+    assert lrs == pytest.approx([0.05 * (5 - s) / 5 for s in range(5)])
+    start = next(e for e in run.events() if e["type"] == "start")
+    assert start["schedule"] == "my_sched:lr_at" and list(start["code"]) == ["my_sched.py"]
+    assert (run.run_dir / "code" / "my_sched.py").read_text().startswith("def lr_at")
+
+
+def test_cosine_decay_runs_from_the_peak_to_the_floor(tmp_path):
+    run = launch(tiny(tmp_path, workers=1, steps=6, **{"optim.schedule": "cosine", "optim.warmup_steps": 2,
+                                                        "optim.min_lr_fraction": 0.1}))
+    run.wait(timeout=120)
+    lrs = [e["lr"] for e in run.events() if e["type"] == "step"]
+    assert lrs[:2] == pytest.approx([0.025, 0.05]) and lrs[-1] == pytest.approx(0.005)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
