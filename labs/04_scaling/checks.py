@@ -1,4 +1,5 @@
-"""Lab 04 public checks: scaling sweeps, Amdahl/Karp-Flatt, learning-rate scaling, LARS/LAMB, noise scale."""
+"""Lab 04 public checks: scaling sweeps, Amdahl/Karp-Flatt, learning-rate scaling and schedule, LARS/LAMB, noise scale,
+critical batch, batch growth."""
 import math
 
 from scalelab.grade.checks import check
@@ -82,6 +83,49 @@ def lars_or_lamb_recover_the_large_batch(r):
 
 @check(points=2, needs_run=True)
 def noise_scale_estimated(r):
-    """Exercise 3: the gradient noise scale is a positive, finite batch size."""
+    """Exercise 4: the gradient noise scale is a positive, finite batch size."""
     b = r["b_noise"]
     assert isinstance(b, (int, float)) and math.isfinite(b) and b > 0, f"b_noise={b!r}"
+
+
+@check(points=2, needs_run=True)
+def schedule_warms_up_then_decays(r):
+    """Exercise 3: your schedule rises linearly to the peak over the warm-up, then falls to 0 at the last step."""
+    p = r["schedule_preview"]
+    lr, peak, warm = p["lr"], p["peak_lr"], p["warmup_steps"]
+    assert len(lr) == p["total_steps"], f"{len(lr)} rates for {p['total_steps']} steps"
+    rising, got = [round(peak * (s + 1) / warm, 6) for s in range(warm)], [round(x, 6) for x in lr[:warm]]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, rising)), \
+        f"warm-up: steps 0..{warm - 1} should be {rising}, got {got}"
+    assert max(lr) <= peak * (1 + 1e-9), f"the rate goes above the peak: {max(lr)}"
+    assert all(b <= a + 1e-12 for a, b in zip(lr[warm - 1:], lr[warm:])), "after the warm-up the rate must only fall"
+    assert abs(lr[-1]) < 1e-6 * peak, f"the last step's rate is {lr[-1]}, not 0"
+
+
+@check(points=1, needs_run=True)
+def schedule_runs_made(r):
+    """The schedule runs: yours and a constant rate, with the same steps, peak and warm-up."""
+    rows = {x["label"]: x for x in r["schedule_runs"]}
+    assert set(rows) == {"yours", "constant"}, f"runs {sorted(rows)}"
+    assert rows["yours"]["schedule"] == "my_schedule:lr_at" and rows["constant"]["schedule"] == "constant"
+    for key in ("steps", "peak_lr", "warmup_steps"):
+        assert rows["yours"][key] == rows["constant"][key], f"the runs differ in {key}"
+
+
+@check(points=1, needs_run=True)
+def critical_batch_measured(r):
+    """Steps to the target at four batch sizes or more, and a finite, positive fitted critical batch."""
+    best = r["target_study"]["best"]
+    assert len(best) >= 4, f"only {len(best)} batch sizes reached the target: {[p['batch'] for p in best]}"
+    b = r["critical_batch"]["b_crit"]
+    assert isinstance(b, (int, float)) and math.isfinite(b) and b > 0, f"b_crit={b!r}"
+
+
+@check(points=1, needs_run=True)
+def batch_growth_compared(r):
+    """Constant, step decay and batch growth, on the same samples: growth takes fewer steps."""
+    rows = {x["label"]: x for x in r["growth_vs_decay"]}
+    assert set(rows) == {"constant", "decay", "growth"}, f"runs {sorted(rows)}"
+    seen = {k: sum(p["share"] for p in x["phases"]) for k, x in rows.items()}
+    assert len(set(seen.values())) == 1, f"the runs' shares of the samples differ: {seen}"
+    assert rows["growth"]["steps"] < rows["decay"]["steps"], "growing the batch must take fewer steps"

@@ -9,8 +9,11 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `ddp_internals`  (lab 02) gradients averaged by hand vs DDP, bucket size, `no_sync` accumulation,
                    replica equality — run with `run_spmd`.
 - `horovod_port`   (lab 03) a training function ported to Horovod by the student, and Horovod's timeline.
-- `large_batch`    (lab 04) learning-rate scaling and warm-up, large batches with LARS/LAMB, and the gradient
-                   noise scale — in the calling process (the arithmetic of data parallelism on one rank).
+- `large_batch`    (lab 04) learning-rate scaling and warm-up, large batches with LARS/LAMB, the gradient noise
+                   scale, steps to a target and the fitted critical batch, batch growth against decay — in the
+                   calling process (the arithmetic of data parallelism on one rank); the schedule exercise's DDP runs.
+- `multinode`      (lab 04) 1 node x 2 ranks against 2 nodes x 1 rank (links shaped slow on request), and a batch
+                   script of the student's own submitted as an engine run — on a multi-node Slurm.
 - `sweep`          (lab 04) weak/strong/batch scaling sweeps: RunSpecs run one after another, speedup and
                    efficiency tables (the ScalingExplorer widget's core).
 - `data_pipeline`, `straggler`   (lab 05) file layouts, prefetch, caches, order-aware loading; one slow reader.
