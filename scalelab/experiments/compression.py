@@ -26,10 +26,25 @@ def tail_loss(losses: list[float], tail: int = TAIL_STEPS) -> float:
     return sum(last) / len(last) if last else float("nan")
 
 
-def compare(spec: RunSpec, variants: list[dict], out: str | Path, timeout: float = 300) -> list[dict]:
+def compare(spec: RunSpec, variants: list[dict], out: str | Path, timeout: float = 300, nodes: int = 1,
+            link_rate: str = "") -> list[dict]:
     """Run `spec` once per variant ({"name", "overrides"}), one after another; returns a row per variant: name,
     comm_hook, run_dir, wire_bytes (per step, rank 0, median), collectives per step, step_ms (median), tail_loss,
-    loss_curve, eval_accuracy, or `error` where the run failed (an unsolved hook: "not implemented yet")."""
+    loss_curve, eval_accuracy, hosts, or `error` where the run failed (an unsolved hook: "not implemented yet").
+
+    nodes >= 2: every variant runs as `nodes` nodes x 1 rank (launcher slurm); link_rate (e.g. "10mbit") also
+    shapes each node's link of the namespace cluster ($SLURM_CONF, root) to that rate for the duration, taken off
+    again afterwards whatever happened."""
+    if nodes >= 2:
+        spec = spec.with_overrides({"launcher": "slurm", "world.nodes": nodes, "world.workers_per_node": 1})
+    if link_rate:
+        from .multinode import _shaper
+        cluster = _shaper()
+        cluster.set_link_rate(link_rate)
+        try:
+            return compare(spec, variants, out, timeout)
+        finally:
+            cluster.set_link_rate(None)
     from ..launch import launch
     rows = []
     for v in variants:
@@ -49,7 +64,8 @@ def compare(spec: RunSpec, variants: list[dict], out: str | Path, timeout: float
                    collectives=statistics.median(e.get("collectives", 0) for e in steps),
                    step_ms=1e3 * statistics.median(e["step_s"] for e in steps),
                    loss_curve=[e["loss"] for e in steps], tail_loss=tail_loss([e["loss"] for e in steps]),
-                   eval_accuracy=summary.get("eval_accuracy"))
+                   eval_accuracy=summary.get("eval_accuracy"),
+                   hosts=sorted({str(e.get("host")) for e in run.events() if e.get("type") == "start"}))
         rows.append(row)
     return rows
 
