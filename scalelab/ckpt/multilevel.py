@@ -3,12 +3,12 @@ shared tier (`checkpoint.mode = "multilevel"`).
 
 A shared parallel file system is slow and contended; a node's own memory or SSD is fast but dies with the node.
 So rank 0 writes each checkpoint synchronously to the node-local directory (`checkpoint.local_dir`, by default
-under /dev/shm: memory) — the short stall — and a background thread copies the finished file, checksum-verified,
+a private folder under /dev/shm: memory, see private.py) — the short stall — and a background thread copies the finished file, checksum-verified,
 into the shared `checkpoints/` directory with its own manifest entry. A restart reads the node-local tier when the
 node survived and holds the newest checkpoint, and the shared tier otherwise (a lost node, a new allocation).
 Both tiers are complete checkpoints in the same format, so nothing else cares which one it got.
 
-    ck = MultiLevelCheckpointer("runs/x/checkpoints", "/dev/shm/scalelab-x", keep_last=2)
+    ck = MultiLevelCheckpointer("runs/x/checkpoints", default_local_dir("runs/x"), keep_last=2)
     ck.save(step, model, optimizer)      # blocks for the local write only
     ck.completed()                       # copies to the shared tier that finished since the last call
     ck.latest()                          # local if it has the newest step, else shared (ranks agree on the step)
@@ -16,26 +16,34 @@ Both tiers are complete checkpoints in the same format, so nothing else cares wh
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .manifest import atomic_write, read_manifest, record, verify
+from .private import private_dir
 from .sync import capture, load_checkpoint, write_checkpoint
 
 
-def default_local_dir(run_dir) -> Path:
-    """The node-local tier for a run: in memory (/dev/shm) when there is one, else the system's temp directory.
+def node_local_base() -> Path:
+    """Where node-local tiers go: memory (/dev/shm) when the node has it, else the system's temp directory."""
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
-    Named by the run directory's path and inode: a run directory deleted and made again under the same path is
-    another run, and must not resume from a local tier the old one left in a node's memory."""
-    import os
-    import tempfile
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+def default_local_dir(run_dir) -> Path:
+    """The node-local tier for a run: `<node_local_base()>/scalelab-ckpt-u<uid>/<hash of the run dir>`.
+
+    The folder per account is made private (0700) and refused when another account made it first
+    (`private.private_dir`, when the checkpointer starts): its name is predictable in a place every account can
+    write, so it must never be taken as found. Inside it, a run is named by its run directory's path and inode: a
+    run directory deleted and made again under the same path is another run, and must not resume from a local tier
+    the old one left in a node's memory."""
     run_dir = Path(run_dir).resolve()
     ident = f"{run_dir}:{os.stat(run_dir).st_ino if run_dir.exists() else ''}"
-    return base / f"scalelab-ckpt-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
+    return node_local_base() / f"scalelab-ckpt-u{os.geteuid()}" / hashlib.sha1(ident.encode()).hexdigest()[:12]
 
 
 class MultiLevelCheckpointer:
@@ -45,7 +53,11 @@ class MultiLevelCheckpointer:
     needs_barrier = True  # the local write is synchronous: nobody runs ahead of it
 
     def __init__(self, directory, local_dir, keep_last: int = 2, keep_best: int = 0, writer: bool = True):
-        self.directory, self.local_dir = Path(directory), Path(local_dir)
+        # the local tier may lie where every account can write (/dev/shm): only a private folder of our own (the
+        # default's folder per account private too)
+        if Path(local_dir).parent.name == f"scalelab-ckpt-u{os.geteuid()}":
+            private_dir(Path(local_dir).parent)
+        self.directory, self.local_dir = Path(directory), private_dir(local_dir)
         self.keep_last, self.keep_best, self.writer = keep_last, keep_best, writer
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="scalelab-flush") if writer else None
         self._pending: list[tuple[int, float, Future]] = []
@@ -124,4 +136,4 @@ class MultiLevelCheckpointer:
         return done
 
 
-__all__ = ["MultiLevelCheckpointer", "default_local_dir"]
+__all__ = ["MultiLevelCheckpointer", "default_local_dir", "node_local_base"]

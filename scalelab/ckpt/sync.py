@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 
@@ -66,10 +67,17 @@ def latest_checkpoint(directory) -> Path | None:
 
 
 def load_checkpoint(path, model, optimizer=None) -> int:
-    """Verify the checksum, load model (+ optimizer) state and the RNG state; return the step to continue from."""
+    """Verify the checksum, load model (+ optimizer) state and the RNG state; return the step to continue from.
+
+    Loaded with weights_only=True: tensors, numbers, strings and containers only, never an object a pickle names
+    (a checkpoint of another account's making, if one ever got in, could hold wrong numbers but not run code)."""
     path = Path(path)
     verify(path)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} holds more than tensors and plain values, so it is not loaded (a checkpoint "
+                              f"this engine wrote never does; someone else's file?): {str(e).splitlines()[0]}") from e
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
