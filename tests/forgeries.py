@@ -81,6 +81,49 @@ if EVENTS:
                 ranges.append((f"scalelab:{phase}", t, 40 * share))
                 t += 40 * share
         fake_trace(f"runs/lab01/{key}/traces/rank-0.json", ranges)
+# the code exercises: a timer probe's log and two step runs, each with "the code that ran", all typed
+import hashlib
+from scalelab.experiments.own_step import low_precision_share
+from scalelab.experiments.timing import probe_verdict
+timer_text = "def time_steps(step, steps, warmup, sync):\\n    return 0.0102\\n"
+log = [{"type": "start", "timer": "my_timer:time_steps", "steps": 20, "warmup": 3, "work_ms": 10.0,
+        "warmup_ms": 100.0, "code": {"my_timer.py": hashlib.sha256(timer_text.encode()).hexdigest()}}]
+for i in range(23):
+    t0 = 0.1 * i if i < 3 else 0.3 + 0.0101 * (i - 3)
+    log += [{"type": "call", "what": "step", "i": i, "t0": t0, "t1": t0 + 1e-6},
+            {"type": "work", "i": i, "t0": t0, "t1": t0 + (0.1 if i < 3 else 0.0101)}]
+log.append({"type": "result", "seconds_per_step": 0.0102})
+record("timer_probe", {"run_dir": "runs/lab01/timer-probe", **probe_verdict(log)})
+step_text = "def train_step(model, optimizer, x, y, dtype, scaler):\\n    return 1.3\\n"
+saved = {"fp32": {"torch.float32": 891652, "torch.int64": 196864},
+         "fp16": {"torch.float16": 445968, "torch.float32": 4616, "torch.int64": 196864}}
+own = {}
+for name, key, shift in (("fp32", "fp32", 0.0), ("fp16", "yours", 0.0005)):
+    losses = [1.40 - 0.01 * i + shift for i in range(8)]
+    own[key] = {"run_dir": f"runs/lab01/own-step/{name}", "losses": losses, "final_loss": losses[-1],
+                "saved_bytes": saved[name], "low_precision_share": low_precision_share(saved[name]),
+                "param_dtypes": ["torch.float32"], "step_ms": 6.0,
+                "scaler_calls": {"scale": 8, "step": 8, "update": 8} if name == "fp16" else None}
+record("own_step", {**own, "precision": "fp16", "loss_diff": abs(own["yours"]["final_loss"] - own["fp32"]["final_loss"])})
+if EVENTS:
+    Path("my_timer.py").write_text(timer_text)
+    Path("runs/lab01/timer-probe").mkdir(parents=True, exist_ok=True)
+    Path("runs/lab01/timer-probe/probe.jsonl").write_text("".join(json.dumps(e) + "\\n" for e in log))
+    Path("my_step.py").write_text(step_text)
+    for name, run in (("fp32", own["fp32"]), ("fp16", own["yours"])):
+        events = Path(run["run_dir"]) / "events"
+        events.mkdir(parents=True, exist_ok=True)
+        with open(events / "rank-0.jsonl", "w") as f:
+            def emit(**e):
+                f.write(json.dumps({"rank": 0, "t": time.time(), **e}) + "\\n")
+            code = {"my_step.py": hashlib.sha256(step_text.encode()).hexdigest()} if name == "fp16" else {}
+            emit(type="start", world_size=1, start_step=0, total_steps=8, strategy="single", precision=name, code=code)
+            emit(type="memory", step=1, saved_bytes=run["saved_bytes"])
+            for step, loss in enumerate(run["losses"], 1):
+                emit(type="step", step=step, loss=loss, samples=32, step_s=0.006, data_s=0.0, compute_s=0.006,
+                     comm_s=0.0, samples_per_s=32 / 0.006)
+            emit(type="end", steps=8, final_loss=run["losses"][-1], elapsed_s=0.048, param_dtypes=["torch.float32"],
+                 scaler_calls=run["scaler_calls"])
 '''
 
 LAB02 = '''

@@ -1,10 +1,12 @@
 """Lab 01 (single-device performance) runs under papermill at its grading parameters and grades 100 %;
-its student copy stops at the first exercise and grades below 100 %; forged records fail the checks."""
+its student copy stops at the first exercise and grades below 100 %; a plausible mistake in each code exercise (the
+timer, the mixed-precision step: tests/wrong/01.py) loses that exercise's points; forged records fail the checks."""
 from __future__ import annotations
 
 import pytest
 
-from labtests import ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise,
+                      assert_wrong_code_loses)
 
 LAB = ROOT / "labs" / "01_single_device"
 pytestmark = pytest.mark.slow
@@ -30,10 +32,24 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert records["compile"]["backend"] == "aot_eager" and records["compile"]["ok"]
     before, after = records["trace_before"]["shares"], records["trace_after"]["shares"]
     assert records["slowest_phase"] == "data" and after["data"] < 0.5 * before["data"]  # shards: one open per shard
+    probe = records["timer_probe"]  # the honest timer read the probe device's 10 ms of work per step
+    assert probe["honest"] and 9.5 < probe["honest_ms"] < 30 and probe["launch_ms"] < 1
+    own = records["own_step"]  # the reference's fp16 step kept 16-bit activations; the lab's fp32 step did not
+    assert own["precision"] == "fp16" and own["yours"]["low_precision_share"] > 0.5
+    assert own["fp32"]["low_precision_share"] == 0 and own["loss_diff"] < 0.01
 
 
 def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(lab_gradings):
-    assert_stops_at_first_exercise(lab_gradings, LAB, recorded="split", not_yet="predicted_full_sps", share=0.3)
+    assert_stops_at_first_exercise(lab_gradings, LAB, recorded="baseline_samples_per_s", not_yet="timer_probe",
+                                   share=0.3)
+
+
+def test_a_plausible_mistake_in_each_code_exercise_loses_its_points(lab_gradings):
+    assert_wrong_code_loses(lab_gradings, LAB, {
+        "timer_is_honest": "a timer that never calls sync()",
+        "timer_probe_is_its_log": "a timer that never calls sync()",
+        "own_step_is_mixed_precision": "autocast for device type 'cuda' on a CPU",
+        "own_step_runs_are_their_events": "autocast for device type 'cuda' on a CPU"})
 
 
 @pytest.mark.parametrize("forge, check_name", [
@@ -54,6 +70,13 @@ def test_student_copy_fails_at_the_first_exercise_and_grades_below_full(lab_grad
     (lambda r: r.update(trace_after=r["trace_before"]), "fixed_phase_shrank"),
     (lambda r: r.update(slowest_phase="forward"), "fixed_phase_shrank"),
     (lambda r: r["trace_before"]["shares"].update(optimizer=0.5), "traces_read"),
+    (lambda r: r["timer_probe"].update(measured_ms=3 * r["timer_probe"]["honest_ms"]), "timer_is_honest"),
+    (lambda r: r["timer_probe"].update(measured_ms=1.01 * r["timer_probe"]["measured_ms"]), "timer_probe_is_its_log"),
+    (lambda r: r["timer_probe"].update(run_dir="runs/lab01/elsewhere"), "timer_probe_is_its_log"),
+    (lambda r: r["own_step"]["yours"].update(low_precision_share=0.0), "own_step_is_mixed_precision"),
+    (lambda r: r["own_step"]["yours"].update(losses=[x + 0.01 for x in r["own_step"]["yours"]["losses"]]),
+     "own_step_runs_are_their_events"),
+    (lambda r: r["own_step"].update(yours=r["own_step"]["fp32"]), "own_step_runs_are_their_events"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

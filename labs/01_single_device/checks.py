@@ -1,4 +1,5 @@
 """Lab 01 public checks: what a student can self-check on the numbers the notebook recorded."""
+from scalelab.experiments.timing import TOLERANCE
 from scalelab.grade.checks import check, partial
 
 
@@ -14,6 +15,21 @@ def baseline_measured(r):
     _rate(r["inprocess_full_sps"], "inprocess_full_sps")
 
 
+@check(points=2, needs_run=True)
+def timer_is_honest(r):
+    """Exercise 1: on the probe device your timer reads the work of the timed steps: warm-up left out, device waited for."""
+    p = r["timer_probe"]
+    want = p["steps"] + p["warmup"]
+    assert p["calls"] == want, f"your timer called step() {p['calls']} times: call it warmup + steps = {want} times"
+    measured, honest = p["measured_ms"], p["honest_ms"]
+    assert measured >= (1 - TOLERANCE) * honest, (
+        f"your timer read {measured:.3f} ms per step, but the device worked {honest:.2f} ms per timed step: the clock "
+        "stopped before the work was done; call sync() before you read the clock, at the start and at the end")
+    assert measured <= (1 + TOLERANCE) * honest, (
+        f"your timer read {measured:.2f} ms per step, but the timed steps' work took {honest:.2f} ms each: leave the "
+        "warm-up calls off the clock, and wait for their work (sync()) before you start it")
+
+
 @check(points=1, needs_run=True)
 def step_split_measured(r):
     """Data-only, compute-only and full throughput were all measured."""
@@ -24,7 +40,7 @@ def step_split_measured(r):
 
 @check(points=2, needs_run=True)
 def full_step_predicted(r):
-    """Exercise 1: the prediction lies where a serial step must: between min(data, compute)/2 and min(data, compute)."""
+    """Exercise 2: the prediction lies where a serial step must: between min(data, compute)/2 and min(data, compute)."""
     pred, split = _rate(r["predicted_full_sps"], "predicted_full_sps"), r["split"]
     slowest = min(split["data"], split["compute"])
     assert slowest / 2 * 0.999 <= pred <= slowest * 1.001, (
@@ -34,7 +50,7 @@ def full_step_predicted(r):
 
 @check(points=1, needs_run=True)
 def bottleneck_named(r):
-    """Exercise 1: the bottleneck is the slower of data and compute."""
+    """Exercise 2: the bottleneck is the slower of data and compute."""
     split = r["split"]
     want = "data" if split["data"] < split["compute"] else "compute"
     assert r["bottleneck"] == want, f"bottleneck is {r['bottleneck']!r}, but data runs at {split['data']:.0f} " \
@@ -53,7 +69,7 @@ def loader_workers_help(r):
 
 @check(points=2, needs_run=True)
 def workers_chosen(r):
-    """Exercise 2: the chosen worker count reaches 90 % of the best throughput measured."""
+    """Exercise 3: the chosen worker count reaches 90 % of the best throughput measured."""
     rows = {row["workers"]: row["samples_per_s"] for row in r["loader_sweep"]}
     w = r["chosen_workers"]
     assert w in rows, f"chosen_workers={w!r} is not one of the swept counts {sorted(rows)}"
@@ -70,6 +86,26 @@ def precisions_compared(r):
         _rate(row["samples_per_s"], f"{row['precision']} samples_per_s")
         assert row["loss_diff"] < 0.05, f"{row['precision']} ends at loss {row['loss']:.4f}, " \
                                         f"{row['loss_diff']:.4f} away from fp32: too far for mixed precision"
+
+
+@check(points=2, needs_run=True)
+def own_step_is_mixed_precision(r):
+    """Exercise 4: your step ran under autocast (16-bit activations), kept fp32 weights, used the GradScaler once per
+    step (fp16) and ended within 0.05 of the fp32 step's loss."""
+    own = r["own_step"]
+    yours = own["yours"]
+    share = yours["low_precision_share"]
+    assert share >= 0.5, f"only {100 * share:.0f} % of what autograd kept for backward was 16-bit: is autocast on, " \
+                         "for x's device type (x.device.type), around the forward pass?"
+    assert yours["param_dtypes"] == ["torch.float32"], f"the weights ended as {yours['param_dtypes']}: keep the " \
+                                                       "model in fp32, autocast casts per operation"
+    if own["precision"] == "fp16":
+        steps = len(yours["losses"])
+        assert yours["scaler_calls"] == {"scale": steps, "step": steps, "update": steps}, (
+            f"over {steps} steps your step called the GradScaler {yours['scaler_calls']}: once per step, "
+            "scaler.scale(loss).backward(), scaler.step(optimizer), scaler.update()")
+    assert own["loss_diff"] < 0.05, f"your step ends {own['loss_diff']:.4f} away from the fp32 step's loss: too far " \
+                                    "for mixed precision (are the gradients zeroed after each step?)"
 
 
 @check(points=1, needs_run=True)
@@ -93,7 +129,7 @@ def profile_saved(r):
 
 @check(points=2, needs_run=True)
 def conv_share(r):
-    """Exercise 3: the share of self time spent in convolutions is a fraction in (0, 1)."""
+    """Exercise 5: the share of self time spent in convolutions is a fraction in (0, 1)."""
     f = r["conv_fraction"]
     assert isinstance(f, (int, float)) and 0 < f < 1, f"conv_fraction={f!r} must be in (0, 1)"
 
@@ -122,7 +158,7 @@ def traces_read(r):
 
 @check(points=2, needs_run=True)
 def fixed_phase_shrank(r):
-    """Exercise 4: the slowest phase of the first trace is named, and after the fix its share fell clearly."""
+    """Exercise 6: the slowest phase of the first trace is named, and after the fix its share fell clearly."""
     before, after = r["trace_before"]["shares"], r["trace_after"]["shares"]
     want = max(before, key=before.get)
     assert r["slowest_phase"] == want, f"slowest_phase={r['slowest_phase']!r}, but {want} leads the first trace " \

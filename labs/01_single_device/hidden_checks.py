@@ -1,5 +1,12 @@
 """Lab 01 hidden checks: the engine baseline against its event files, and recorded values against each other.
 
+The two code exercises are judged by what their code did, from the files it left: the timer probe's log
+(`probe.jsonl`: every call and every piece of the probe device's work, with its times) and the two step runs'
+event files (what autograd kept for backward, by dtype; the weights' dtypes; the GradScaler's calls; the losses),
+each next to a copy of the module that ran, whose SHA-256 must be that of the student's submitted file. The step
+runs' event files pass the grader's plausibility check like any run's; the probe's log, like a trace, has no check
+of its own: a hand-written log that agrees with a hand-written timer passes (docs/grading.md, "Forged records").
+
 The engine baseline and the two traced runs (before and after the fix) are what events and traces back: the
 grader re-reads each traced run's trace from the working copy (no link followed) and re-derives the phase shares.
 The rest (split, loader sweep, precisions, compile, profile, ladder) are measured in the notebook's own process and
@@ -7,13 +14,17 @@ are held against each other (the in-process rate is not held against the engine'
 millisecond steps, taken seconds apart, differed 56-fold on a busy machine). Every check needs a real run
 (`needs_run`).
 """
+import hashlib
 import json
 import math
 
+from scalelab.experiments.own_step import low_precision_share
 from scalelab.experiments.profiling import read_run_file
 from scalelab.experiments.single_device import phase_shares
+from scalelab.experiments.timing import LOG, probe_verdict, read_log
 from scalelab.grade.checks import check, close, evidence
-from scalelab.grade.evidence import WORKDIR
+from scalelab.grade.evidence import RUNS, WORKDIR
+from scalelab.grade.untrusted import UntrustedFileError, read_beneath
 
 
 def _close(a, b, rel):
@@ -99,3 +110,67 @@ def trace_shares_are_the_runs_traces(r):
     if trace_a < 0.8 * trace_b:
         assert events_a < events_b, f"the traces show the data wait falling ({trace_b:.2f} -> {trace_a:.2f}), " \
                                     f"the runs' events do not ({events_b:.2f} -> {events_a:.2f})"
+
+
+def _ran_the_submitted(r, code: dict, name: str) -> None:
+    """The run's record of the code it ran names `name` with the SHA-256 of the working copy's `name`."""
+    try:
+        sha = hashlib.sha256(read_beneath(r[WORKDIR], name, 1 << 20)).hexdigest()
+    except UntrustedFileError as e:
+        raise AssertionError(f"{name} could not be read from the submission ({e})") from None
+    assert code.get(name) == sha, f"the run did not run the submitted {name} (its record of the code: {code})"
+
+
+def _events(r, run_dir: str) -> list:
+    """Rank 0's events of a run, re-read from the working copy (as data that may be hostile)."""
+    try:
+        return read_log(read_run_file(r[WORKDIR], f"{run_dir}/events/rank-0.jsonl"))
+    except Exception as e:  # missing, a link, too big: all the student's files
+        raise AssertionError(f"the event file of {run_dir} could not be read ({type(e).__name__}: {e})") from None
+
+
+@check(points=3, needs_run=True)
+def timer_probe_is_its_log(r):
+    """Exercise 1: the probe's own log, re-read, gives the recorded reading and an honest verdict, and the timer that
+    ran is the submitted my_timer.py."""
+    r[RUNS]  # no grader evidence, no verdict (a notebook that ran nothing ends here as missing)
+    p = r["timer_probe"]
+    try:
+        log = read_log(read_run_file(r[WORKDIR], f"{p['run_dir']}/{LOG}"))
+        again = probe_verdict(log)
+    except Exception as e:  # noqa: BLE001 - missing, a link, too big, not a probe log: all the student's files
+        raise AssertionError(f"the probe's log could not be read ({type(e).__name__}: {e})") from None
+    for key in ("measured_ms", "honest_ms", "calls"):
+        close(again[key], p[key], what=f"timer probe {key}")
+    _ran_the_submitted(r, again["code"], "my_timer.py")
+    assert again["honest"], "the timer's reading is not the work of the timed steps"
+
+
+@check(points=3, needs_run=True)
+def own_step_runs_are_their_events(r):
+    """Exercise 4: both step runs are real runs whose losses were recorded; the one at 16 bits ran the submitted
+    my_step.py, kept mostly 16-bit activations for backward, fp32 weights, called the GradScaler once per step
+    (fp16), and ended within 0.05 of the fp32 run's loss, which kept fp32 activations (the lab's own step)."""
+    own = r["own_step"]
+    found = {name: evidence(r, own[name]["run_dir"]) for name in ("fp32", "yours")}
+    assert own["fp32"]["run_dir"] != own["yours"]["run_dir"], "the two steps must run as two runs"
+    for name, run in found.items():
+        assert run["world_size"] == 1, f"{name}: {run['world_size']} processes, not 1"
+        curve = own[name]["losses"]
+        assert len(run["loss_curve"]) == len(curve) and all(math.isclose(a, b, rel_tol=1e-6) for a, b in
+                                                            zip(run["loss_curve"], curve)), f"{name}: losses"
+    _ran_the_submitted(r, found["yours"]["code"], "my_step.py")
+    shares = {}
+    for name in ("fp32", "yours"):
+        events = _events(r, own[name]["run_dir"])
+        memory = [e for e in events if e.get("type") == "memory"][-1:]
+        end = [e for e in events if e.get("type") == "end"][-1:]
+        assert memory and end, f"{name}: the run wrote no memory or end event"
+        shares[name] = low_precision_share(memory[0]["saved_bytes"])
+        assert end[0]["param_dtypes"] == ["torch.float32"], f"{name}: weights {end[0]['param_dtypes']}"
+        precision = next(e for e in events if e.get("type") == "start").get("precision")
+        if name == "yours" and precision == "fp16":
+            steps = len(own[name]["losses"])
+            assert end[0]["scaler_calls"] == {"scale": steps, "step": steps, "update": steps}, "GradScaler calls"
+    assert shares["fp32"] == 0 and shares["yours"] >= 0.5, f"16-bit share of saved activations {shares}"
+    assert abs(found["yours"]["final_loss"] - found["fp32"]["final_loss"]) < 0.05, "final losses too far apart"
