@@ -153,8 +153,9 @@ def test_the_reference_batch_script_runs_on_two_nodes_and_one_asking_for_one_nod
     spec = preset("tiny").with_overrides({"steps": 6, "world.threads_per_worker": 1})
     outcome = {}
     for name, script in _job_scripts(tmp_path).items():
-        row = submit_job_script(script, spec.with_overrides({"world.nodes": 2, "world.workers_per_node": 1}),
-                                tmp_path / "runs" / name, timeout=300, env={**os.environ, **nodes_cluster.env()})
+        two_nodes = spec.with_overrides({"launcher": "slurm", "world.nodes": 2, "world.workers_per_node": 1})
+        row = submit_job_script(script, two_nodes, tmp_path / "runs" / name, timeout=300,
+                                env={**os.environ, **nodes_cluster.env()})
         records = {"lab04_nodes": 2, "job_run": row, **run_evidence(tmp_path)}
         result = {r.name: r for r in grade(LAB, records)[2]}["batch_job_ran_on_two_nodes"]
         outcome[name] = (row["hosts"], row["world_size"], result.outcome, result.message)
