@@ -76,3 +76,54 @@ def test_a_hub_started_in_the_background_stops_promptly(tmp_path):
         assert time.monotonic() - t0 < 10
     finally:
         runner.cleanup()
+
+
+# -- the sign-in throttle's address: the connection's, never a client's forwarding header (issue 39) ---------------
+
+class _From(__import__("requests").adapters.HTTPAdapter):
+    """Connections from a given loopback address (127.0.0.2, 127.0.0.3: each a "machine" of its own)."""
+
+    def __init__(self, ip):
+        self.ip = ip
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kwargs):
+        kwargs["source_address"] = (self.ip, 0)
+        super().init_poolmanager(*args, **kwargs)
+
+
+def _sign_in(hub, source, name, password, headers=None) -> int:
+    import requests
+    s = requests.Session()
+    s.mount("http://", _From(source))
+    s.headers.update(headers or {})
+    s.get(f"{hub.url}/hub/login", timeout=30)
+    return s.post(f"{hub.url}/hub/login", data={"username": name, "password": password,
+                                                "_xsrf": s.cookies.get("_xsrf", "")},
+                  allow_redirects=False, timeout=30).status_code
+
+
+@pytest.fixture(scope="module")
+def throttled(tmp_path_factory):
+    runner = HubRunner(tmp_path_factory.mktemp("hub-throttle"), mode="local", settings={"auth": {"throttle": {
+        "failures_per_name": 100, "failures_per_address": 3, "window_s": 60, "lockout_s": 60}}})
+    runner.start()
+    yield runner
+    runner.cleanup()
+
+
+def test_a_forged_forwarding_header_cannot_lock_out_an_address_or_dodge_the_limit(throttled):
+    """ATTACK through the hub's own proxy: from 127.0.0.3, three wrong passwords claiming (X-Real-IP,
+    X-Forwarded-For) to come from the classroom's 127.0.0.2; then the right password under yet another made-up
+    address. The classroom still signs in; the attacker is locked by the address it really comes from; the log
+    names that address."""
+    hub = throttled
+    forged = {"X-Real-IP": "127.0.0.2", "X-Forwarded-For": "127.0.0.2"}
+    assert [_sign_in(hub, "127.0.0.3", hub.user(f"x{i}"), "wrong", forged) for i in range(3)] == [403] * 3
+    assert _sign_in(hub, "127.0.0.2", hub.user("amy"), hub.password) == 302  # the control: the classroom
+    dodge = {"X-Real-IP": "10.11.12.13", "X-Forwarded-For": "10.11.12.13"}
+    assert _sign_in(hub, "127.0.0.3", hub.user("y"), hub.password, dodge) == 429
+    log = hub.log_path.read_text(errors="replace")
+    assert "Sign-in locked: address '127.0.0.3'" in log and "address '127.0.0.2'" not in log
+    assert "10.11.12.13" not in log  # the request log too: every line names the connection's address
+    assert "POST /hub/login (@127.0.0.3)" in log and "(@127.0.0.2)" in log

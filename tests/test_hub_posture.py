@@ -85,8 +85,12 @@ def _auth(**kw):
     return CourseSharedPasswordAuthenticator(user_password="right-password-123", allow_all=True, **kw)
 
 
-def _handler(ip="10.9.8.7"):
-    return SimpleNamespace(request=SimpleNamespace(remote_ip=ip))
+def _handler(ip="10.9.8.7", headers=None, forged=None):
+    """A handler whose request came over a connection from `ip` (Tornado's remote_ip is what a header made it)."""
+    from tornado.httputil import HTTPHeaders
+    conn = SimpleNamespace(context=SimpleNamespace(address=(ip, 40000)))
+    return SimpleNamespace(request=SimpleNamespace(remote_ip=forged or ip, connection=conn,
+                                                   headers=HTTPHeaders(headers or {})))
 
 
 def test_repeated_failures_lock_the_name_even_for_the_right_password():
@@ -132,6 +136,86 @@ def test_a_name_off_the_list_with_the_right_password_is_told_so_and_a_wrong_pass
     # a stranger without the password learns nothing about the list: the usual refusal
     assert asyncio.run(auth.authenticate(_handler(), {"username": "alicee", "password": "guess"})) is None
     assert asyncio.run(auth.authenticate(_handler(), {"username": "alice", "password": "right-password-123"}))
+
+
+def test_a_forged_forwarding_header_neither_locks_out_another_address_nor_dodges_the_limit():
+    """ATTACK: Tornado's remote_ip is any client's X-Real-IP / X-Forwarded-For; the throttle keyed on it. Now it
+    keys on the connection's address, whatever the headers say."""
+    auth = _auth(max_failures=100, max_address_failures=3, lockout_s=30)
+    victim, forged = "10.5.5.5", {"X-Real-IP": "10.5.5.5", "X-Forwarded-For": "10.5.5.5"}
+    for i in range(3):
+        h = _handler("10.6.6.6", headers=forged, forged="10.5.5.5")
+        assert asyncio.run(auth.authenticate(h, {"username": f"x{i}", "password": "guess"})) is None
+        assert h.request.remote_ip == "10.6.6.6"  # what the request's log lines now name
+    # the classroom's address was not locked by someone else's failures
+    assert asyncio.run(auth.authenticate(_handler(victim), {"username": "amy", "password": "right-password-123"}))
+    # the attacker, with a new made-up address on this try, is still held to the limit of the one they come from
+    with pytest.raises(web.HTTPError, match="for this address"):
+        asyncio.run(auth.authenticate(_handler("10.6.6.6", {"X-Forwarded-For": "10.7.7.7"}, forged="10.7.7.7"),
+                                      {"username": "y", "password": "right-password-123"}))
+
+
+def test_forwarding_headers_are_believed_from_a_configured_proxy_only():
+    """CONTROL: behind a configured front end (10.0.0.5) each client keeps its own address: the rightmost
+    X-Forwarded-For entry the proxy appended, never what the client wrote to the left of it or in X-Real-IP."""
+    from scalelab.hub.addresses import client_address
+    front = _handler("10.0.0.5", {"X-Forwarded-For": "6.6.6.6, 192.0.2.10", "X-Real-IP": "6.6.6.6"}).request
+    assert client_address(front, ["own-proxy", "10.0.0.0/24"]) == "192.0.2.10"
+    assert client_address(front, ["own-proxy"]) == "10.0.0.5"  # not configured: its headers are not believed
+    chain = _handler("10.0.0.5", {"X-Forwarded-For": "192.0.2.10, 10.0.0.7"}).request  # two trusted hops
+    assert client_address(chain, ["10.0.0.0/24"]) == "192.0.2.10"
+    bad = _handler("10.0.0.5", {"X-Forwarded-For": "not-an-address"}).request
+    assert client_address(bad, ["10.0.0.0/24"]) == "10.0.0.5"
+    auth = _auth(max_failures=100, max_address_failures=2, lockout_s=30, trusted_proxies=["10.0.0.5"])
+    for i in range(2):
+        asyncio.run(auth.authenticate(_handler("10.0.0.5", {"X-Forwarded-For": "192.0.2.66"}),
+                                      {"username": f"z{i}", "password": "guess"}))
+    ok = _handler("10.0.0.5", {"X-Forwarded-For": "192.0.2.10"})
+    assert asyncio.run(auth.authenticate(ok, {"username": "amy", "password": "right-password-123"}))
+    with pytest.raises(web.HTTPError, match="for this address"):
+        asyncio.run(auth.authenticate(_handler("10.0.0.5", {"X-Forwarded-For": "192.0.2.66"}),
+                                      {"username": "amy", "password": "right-password-123"}))
+
+
+def test_the_hubs_own_proxy_is_a_socket_of_the_hubs_account_not_any_loopback_peer():
+    """ATTACK: on the hub's machine every course account connects from the loopback too (a student's server in
+    local mode): only a socket of the hub's own account counts as its proxy. The control: the hub's account's."""
+    import socket
+    import subprocess
+    import sys
+    from scalelab.hub.addresses import peer_is_trusted, socket_owner
+    server = socket.create_server(("127.0.0.1", 0))
+    ours = server.getsockname()
+    mine = socket.create_connection(ours)
+    conn, peer = server.accept()
+    assert socket_owner(peer, ours) == os.geteuid() and peer_is_trusted(peer, ours, ["own-proxy"])
+    assert not peer_is_trusted(peer, ours, [])  # an empty list believes nobody
+    if os.geteuid() == 0:
+        code = (f"import socket,sys,time; s=socket.create_connection(('127.0.0.1',{ours[1]})); "
+                "print(s.getsockname()[1], flush=True); sys.stdin.read()")
+        child = subprocess.Popen([sys.executable, "-c", code], user=65534, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(child.stdout.readline())
+            theirs, their_peer = server.accept()
+            assert their_peer[1] == port and socket_owner(their_peer, ours) == 65534
+            assert not peer_is_trusted(their_peer, ours, ["own-proxy"])
+            theirs.close()
+        finally:
+            child.stdin.close()
+            child.wait(timeout=30)
+    for s in (mine, conn, server):
+        s.close()
+
+
+def test_trusted_proxies_that_are_not_addresses_are_refused(cfg):
+    from scalelab.hub.settings import cross_checks
+    assert cross_checks(cfg) == [] and cfg["hub"]["trusted_proxies"] == ["own-proxy"]
+    cfg["hub"]["trusted_proxies"] = ["own-proxy", "10.0.0.0/8", "the-front-end"]
+    assert cross_checks(cfg) == ["hub.trusted_proxies: 'the-front-end' is neither 'own-proxy' nor an address or "
+                                 "network"]
+    assert "X-Forwarded-For believed only from the hub's own proxy" in format_posture(
+        load_settings(overrides={"hub": {"state_dir": cfg["hub"]["state_dir"]}}), euid=0)
 
 
 # -- spawn links and job logs ----------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ never the shared one) and a limit on failures.
 Upstream a script may try passwords as fast as the hub answers (40 a second here) and then sign in with the right
 one. Here, `max_failures` failed sign-ins within `window_s` for one name, or `max_address_failures` from one
 address (higher: a classroom may share one address), lock that name or address for `lockout_s`: every attempt in
-that time is refused with 429 and a message saying how long to wait, the right password included. A success clears the name's count. Counts live in the hub's memory (a restart
+that time is refused with 429 and a message saying how long to wait, the right password included. The address is
+the connection's, or the one a trusted proxy forwarded (`addresses.client_address`), never a header a client
+wrote. A success clears the name's count. Counts live in the hub's memory (a restart
 forgets them) and are pruned, so a flood of made-up names cannot grow them without bound.
 """
 from __future__ import annotations
@@ -17,7 +19,9 @@ from hmac import compare_digest
 from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
 from jupyterhub.utils import maybe_future
 from tornado import web
-from traitlets import Dict, Float, Integer
+from traitlets import Dict, Float, Integer, List, Unicode
+
+from .addresses import OWN_PROXY, client_address
 
 MAX_TRACKED = 10_000  # names + addresses remembered at once
 
@@ -32,6 +36,10 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
     window_s = Float(60.0, help="Seconds over which failures are counted.").tag(config=True)
     lockout_s = Float(60.0, help="Seconds a locked name or address is refused, whatever the password.").tag(config=True)
 
+    trusted_proxies = List(Unicode(), [OWN_PROXY], help="Proxies whose X-Forwarded-For is believed: 'own-proxy' (the "
+                           "hub's own configurable-http-proxy) and addresses or networks (hub.trusted_proxies)."
+                           ).tag(config=True)
+
     roster_passwords = Dict(help="Per-student passwords {name: password} from the course roster; those students "
                             "sign in with their own password only.").tag(config=True)
 
@@ -45,7 +53,11 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
         now = time.monotonic()
         keys = [("name", self.normalize_username(str(data.get("username", ""))[:64]))]
         if handler is not None and getattr(handler, "request", None) is not None:
-            keys.append(("address", handler.request.remote_ip or ""))
+            # never Tornado's remote_ip (any client sets it with X-Real-IP): the connection's own peer, or what a
+            # trusted proxy says it saw; the request's log lines name that address too
+            address = client_address(handler.request, self.trusted_proxies)
+            handler.request.remote_ip = address
+            keys.append(("address", address))
         for key in keys:
             until = self._locked.get(key, 0.0)
             if until > now:
@@ -84,6 +96,8 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
             times.popleft()
         if len(times) >= (self.max_failures if key[0] == "name" else self.max_address_failures):
             self._locked[key] = now + self.lockout_s
+            self.log.warning("Sign-in locked: %s %r for %.0f s after %d failures", key[0], key[1][:64],
+                             self.lockout_s, len(times))
             times.clear()
 
     def _prune(self, now: float) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..paths import find_tool
+from .addresses import access_log
 from .options import profiles_from_settings
 from .posture import RESERVED_NAMES, problems, system_account
 from .settings import SettingsError, read_roster
@@ -59,6 +60,8 @@ def update_hub(c, cfg: Mapping) -> None:
     if proxy:
         c.ConfigurableHTTPProxy.command = [proxy]
     c.JupyterHub.cleanup_servers = not hub["keep_servers_on_restart"]
+    # the request log names the connection's address (or a trusted proxy's word for it), never a client's header
+    c.JupyterHub.tornado_settings.update({"log_function": access_log(hub["trusted_proxies"])})
     if hub.get("subdomain_host"):  # each server its own origin; cookies bound to the host (__Host- prefix)
         c.JupyterHub.subdomain_host = hub["subdomain_host"]
         c.JupyterHub.cookie_host_prefix_enabled = hub["subdomain_host"].startswith("https://")
@@ -91,6 +94,7 @@ def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
     c.CourseSharedPasswordAuthenticator.max_address_failures = throttle["failures_per_address"]
     c.CourseSharedPasswordAuthenticator.window_s = float(throttle["window_s"])
     c.CourseSharedPasswordAuthenticator.lockout_s = float(throttle["lockout_s"])
+    c.CourseSharedPasswordAuthenticator.trusted_proxies = list(cfg["hub"]["trusted_proxies"])
     own = {name: pw for name, pw in read_roster(auth["roster"]).items() if pw} if auth["roster"] else {}
     own.update(passwords.get("students") or {})  # every listed student's own (roster or generated)
     if own:

@@ -198,6 +198,9 @@ def posture(cfg: Mapping, euid: int | None = None) -> list[tuple[str, str]]:
         ("mode", cfg["mode"]),
         ("servers run as", who_runs_servers(cfg, euid)),
         ("sign-in", sign_in + ", throttled after failures"),
+        ("sign-in address", "the connection's; X-Forwarded-For believed only from " +
+         ", ".join("the hub's own proxy" if t == "own-proxy" else t for t in cfg["hub"].get("trusted_proxies", []))
+         if cfg["hub"].get("trusted_proxies") else "the connection's (no forwarding header believed)"),
         ("admins", ", ".join(cfg["hub"]["admin_users"]) or "none"),
         ("spawn from a link", "on" if cfg["servers"].get("spawn_from_link") else "off (form POST only)"),
         ("state dir", f"{state} ({mode})"),

@@ -20,6 +20,7 @@ import yaml
 
 from ..errors import ScalelabError
 from ..paths import hub_config_dir
+from .addresses import check_trusted_proxies
 
 #: Environment variables `scalelab hub` uses to hand the settings to `jupyterhub_config.py`.
 ENV_SETTINGS = "SCALELAB_HUB_SETTINGS"
@@ -211,6 +212,7 @@ def cross_checks(cfg: Mapping) -> list[str]:
                         "student gets their own directory, e.g. '{state_dir}/homes/{username}'")
     if cfg.get("slurm", {}).get("poll_max", 5) < cfg.get("slurm", {}).get("poll_min", 0.5):
         problems.append("slurm.poll_max: must be at least slurm.poll_min")
+    problems += check_trusted_proxies(cfg.get("hub", {}).get("trusted_proxies", []))
     return problems
 
 
