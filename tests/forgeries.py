@@ -333,6 +333,57 @@ def strag(busy, step_s, waits):
 record("straggler", {"even": strag([0.1] * 4, 0.1, [0.0] * 4),
                      "straggler": strag([0.1, 0.1, 0.1, 0.4], 0.4, [0.3, 0.3, 0.3, 0.0])})
 record("predicted_efficiency", (3 + 4.0) / (4 * 4.0))
+import math
+def cosine(step, total, peak, warm):
+    if step < warm:
+        return peak * (step + 1) / warm
+    return 0.5 * peak * (1 + math.cos(math.pi * min((step - warm) / max(total - 1 - warm, 1), 1.0)))
+def fake_schedule_run(run_dir, lrs, losses, schedule, code, world=2, batch=64, step_s=0.01):
+    events = Path(run_dir) / "events"
+    events.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        with open(events / f"rank-{rank}.jsonl", "a") as f:
+            def emit(**e):
+                f.write(json.dumps({"rank": rank, "t": time.time(), **e}) + "\\n")
+            emit(type="start", world_size=world, start_step=0, total_steps=len(losses), strategy="ddp",
+                 schedule=schedule, code=code, peak_lr=max(lrs))
+            for step, (lr, loss) in enumerate(zip(lrs, losses), 1):
+                emit(type="step", step=step, loss=loss, lr=lr, samples=batch, step_s=step_s, data_s=0.0,
+                     compute_s=step_s, comm_s=0.0, samples_per_s=batch / step_s)
+            emit(type="end", steps=len(losses), final_loss=losses[-1], eval_accuracy=0.8,
+                 elapsed_s=step_s * len(losses))
+record("schedule_preview", {"total_steps": 50, "peak_lr": 1.0, "warmup_steps": 5,
+                            "lr": [cosine(s, 50, 1.0, 5) for s in range(50)]})
+peak, warm, total = 0.64, 10, 93
+schedule_rows = []
+for label, schedule, lrs, losses in (
+        ("yours", "my_schedule:lr_at", [cosine(s, total, peak, warm) for s in range(total)],
+         [2.3 - 2.0 * i / total for i in range(total)]),
+        ("constant", "constant", [peak * (s + 1) / warm if s < warm else peak for s in range(total)], [1.8] * total)):
+    k = max(1, total // 10)
+    schedule_rows.append({"label": label, "schedule": schedule, "run_dir": f"runs/lab04/schedules/{label}",
+                          "peak_lr": peak, "warmup_steps": warm, "steps": total, "tail_loss": sum(losses[-k:]) / k,
+                          "eval_accuracy": 0.8})
+    if EVENTS:
+        fake_schedule_run(schedule_rows[-1]["run_dir"], lrs, losses, schedule,
+                          {"my_schedule.py": "0" * 64} if ":" in schedule else {})
+record("schedule_runs", schedule_rows)
+best = [{"batch": b, "lr": 0.1, "steps": s} for b, s in ((16, 94), (32, 58), (64, 41), (128, 33), (256, 39), (512, 37))]
+record("target_study", {"target": 0.5, "max_steps": 300, "warmup_steps": 5, "best": best,
+                        "rows": [dict(p, limit=300) for p in best]})
+xs, ys = [1 / p["batch"] for p in best], [p["steps"] for p in best]
+mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+e_min = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+record("critical_batch", {"s_min": my - e_min * mx, "e_min": e_min, "b_crit": e_min / (my - e_min * mx), "points": 6})
+growth = []
+for label, plan, loss in (("constant", [(64, 0.16)] * 3, 0.45), ("decay", [(64, 0.16), (64, 0.04), (64, 0.01)], 0.27),
+                          ("growth", [(64, 0.16), (256, 0.16), (1024, 0.16)], 0.29)):
+    phases = [{"share": share, "batch": b, "lr": lr} for share, (b, lr) in zip((0.5, 0.25, 0.25), plan)]
+    growth.append({"label": label, "phases": phases, "samples": 12000, "eval_loss": loss, "accuracy": 0.9,
+                   "steps": sum(max(1, int(p["share"] * 12000) // p["batch"]) for p in phases)})
+record("growth_vs_decay", growth)
+record("lab04_nodes", 1)
+record("job_run", None)
 losses = [1.4 - 0.01 * i for i in range(15)]
 engine = []
 for fmt_name, step_s, data in (("files", 0.08, 0.75), ("shards", 0.02, 0.1)):
