@@ -74,6 +74,9 @@ def test_update_auth_admins_and_allowed_users(cfg):
     assert c.Authenticator.allowed_users == {"ann", "bob"}
     assert "allow_all" not in c.Authenticator
     assert c.SharedPasswordAuthenticator.admin_password == "a" * 32
+    # the list is the whole gate: not every user of the hub's database (JupyterHub's allow_existing_users)
+    assert c.Authenticator.allow_existing_users is False
+    assert c.CourseSharedPasswordAuthenticator.class_list == {"ann", "bob", "prof"}
 
 
 def test_update_auth_pam(cfg):

@@ -127,3 +127,41 @@ def test_a_forged_forwarding_header_cannot_lock_out_an_address_or_dodge_the_limi
     assert "Sign-in locked: address '127.0.0.3'" in log and "address '127.0.0.2'" not in log
     assert "10.11.12.13" not in log  # the request log too: every line names the connection's address
     assert "POST /hub/login (@127.0.0.3)" in log and "(@127.0.0.2)" in log
+
+
+# -- the class list is the whole gate (issue 39) --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def listed(tmp_path_factory):
+    runner = HubRunner(tmp_path_factory.mktemp("hub-listed"), mode="local")
+    prof = runner.user("prof")
+    runner.settings["auth"].update({"any_name": False, "allowed_users": [runner.user("alice")],
+                                    "admin_password": "admin-pw-" + "x" * 24})
+    runner.settings["hub"]["admin_users"] = [prof]
+    import yaml
+    runner.config_path.write_text(yaml.safe_dump(runner.settings, sort_keys=False), encoding="utf-8")
+    runner.start()
+    yield runner
+    runner.cleanup()
+
+
+def test_a_user_in_the_hubs_database_but_not_on_the_class_list_cannot_sign_in(listed):
+    """ATTACK: JupyterHub lets every user of its database sign in (allow_existing_users): one an admin added, one
+    dropped from the list, one left from a try-out. Here an admin adds mallory; the shared password must not sign
+    her in. The controls: the listed student and the admin still sign in."""
+    import requests
+    hub, mallory = listed, listed.user("mallory")
+    admin = requests.Session()
+    admin.get(f"{hub.url}/hub/login", timeout=30)
+    r = admin.post(f"{hub.url}/hub/login", data={"username": hub.user("prof"),
+                                                 "password": hub.settings["auth"]["admin_password"],
+                                                 "_xsrf": admin.cookies.get("_xsrf", "")},
+                   allow_redirects=False, timeout=30)
+    assert r.status_code == 302, hub.log_tail()
+    r = admin.post(f"{hub.url}/hub/api/users/{mallory}", headers={"X-XSRFToken": admin.cookies.get("_xsrf", "")},
+                   timeout=30)
+    assert r.status_code == 201, (r.status_code, r.text)
+    assert _sign_in(hub, "127.0.0.1", mallory, hub.password) == 403
+    assert f"The name '{mallory}' is not on this course's class list" in hub.log_path.read_text(errors="replace")
+    alice = hub.user("alice")
+    assert _sign_in(hub, "127.0.0.1", alice, hub.password_of(alice)) == 302

@@ -218,6 +218,19 @@ def test_trusted_proxies_that_are_not_addresses_are_refused(cfg):
         load_settings(overrides={"hub": {"state_dir": cfg["hub"]["state_dir"]}}), euid=0)
 
 
+def test_a_user_the_hub_knows_but_the_class_list_does_not_cannot_sign_in():
+    """ATTACK: JupyterHub adds every user of its database to allowed_users (add_user, at start and when an admin
+    adds one); the course's class list, taken from the settings, is still the gate. Control: the listed student."""
+    auth = CourseSharedPasswordAuthenticator(user_password="right-password-123", allowed_users={"alice"},
+                                             allow_existing_users=True)  # JupyterHub's default with a list
+    auth.add_user(SimpleNamespace(name="mallory"))  # in the database: an admin added her, or she was dropped
+    assert "mallory" in auth.allowed_users
+    with pytest.raises(web.HTTPError) as e:
+        asyncio.run(auth.authenticate(_handler(), {"username": "mallory", "password": "right-password-123"}))
+    assert e.value.status_code == 403 and "not on this course's class list" in e.value.log_message
+    assert asyncio.run(auth.authenticate(_handler(), {"username": "alice", "password": "right-password-123"}))
+
+
 # -- spawn links and job logs ----------------------------------------------------------------------------------
 
 def test_a_spawn_link_is_refused_unless_the_course_allows_it():

@@ -1,6 +1,7 @@
 """Shared-password sign-in with per-student passwords and throttling: JupyterHub's SharedPasswordAuthenticator,
 plus a roster (`roster_passwords`: a student listed with a password of their own signs in with that password only,
-never the shared one) and a limit on failures.
+never the shared one), the class list checked on every sign-in (`class_list`: the course settings' names, not
+JupyterHub's allowed_users, which its database's users join) and a limit on failures.
 
 Upstream a script may try passwords as fast as the hub answers (40 a second here) and then sign in with the right
 one. Here, `max_failures` failed sign-ins within `window_s` for one name, or `max_address_failures` from one
@@ -19,7 +20,7 @@ from hmac import compare_digest
 from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
 from jupyterhub.utils import maybe_future
 from tornado import web
-from traitlets import Dict, Float, Integer, List, Unicode
+from traitlets import Dict, Float, Integer, List, Set, Unicode
 
 from .addresses import OWN_PROXY, client_address
 
@@ -40,11 +41,19 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
                            "hub's own configurable-http-proxy) and addresses or networks (hub.trusted_proxies)."
                            ).tag(config=True)
 
+    class_list = Set(Unicode(), None, allow_none=True,
+                     help="The names that may sign in (the class list and the admins), as the course settings say: "
+                          "checked on every sign-in, whatever JupyterHub's allowed_users grew to from its database or "
+                          "the admin panel. None: the allowed_users and admin_users configured at construction."
+                     ).tag(config=True)
+
     roster_passwords = Dict(help="Per-student passwords {name: password} from the course roster; those students "
                             "sign in with their own password only.").tag(config=True)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        if self.class_list is None:  # before JupyterHub adds its database's users to allowed_users
+            self.class_list = {*self.allowed_users, *self.admin_users}
         self._failures: dict[tuple[str, str], deque] = {}
         self._locked: dict[tuple[str, str], float] = {}
 
@@ -71,7 +80,10 @@ class CourseSharedPasswordAuthenticator(SharedPasswordAuthenticator):
             return None
         self._failures.pop(keys[0], None)
         name = result["name"]
-        if not await maybe_future(self.check_allowed(name, result)):
+        # the class list is the whole gate: JupyterHub's allowed_users also holds every user of its database (added
+        # by an admin, dropped from the list, left from a try-out), so it is not what the course settings list
+        listed = self.allow_all or name in self.class_list
+        if not listed or not await maybe_future(self.check_allowed(name, result)):
             # Only someone who knows the course's password learns this (no list of names for strangers to probe);
             # "Invalid username or password" made students think the password was wrong.
             self.log.warning("Sign-in with the right password under a name off the list: %r", name[:64])

@@ -83,6 +83,10 @@ def update_auth(c, cfg: Mapping, passwords: Mapping) -> None:
     c.Authenticator.blocked_users = system_account_names()
     if auth["allowed_users"]:
         c.Authenticator.allowed_users = set(auth["allowed_users"])
+        # the list is the whole gate: users in the hub's database but not on it (added by an admin, dropped from the
+        # list, left from a try-out) do not sign in (JupyterHub's default adds them all to allowed_users)
+        c.Authenticator.allow_existing_users = False
+        c.CourseSharedPasswordAuthenticator.class_list = {*auth["allowed_users"], *cfg["hub"]["admin_users"]}
     else:
         c.Authenticator.allow_all = True
     if auth["type"] == "pam":
