@@ -297,42 +297,6 @@ norms = {"b_small": 16, "b_big": 512, "g2_small": 2.0, "g2_big": 0.5}
 record("noise_norms", norms)
 bs, bb, gs, gb = norms["b_small"], norms["b_big"], norms["g2_small"], norms["g2_big"]
 record("b_noise", ((gs - gb) / (1 / bs - 1 / bb)) / ((bb * gb - bs * gs) / (bb - bs)))
-'''
-
-LAB05 = '''
-import math
-n, batch, latency_ms, bw, compute_ms = 2000, 32, 2.0, 100.0, 8.0
-record("pfs_params", {"open_latency_ms": latency_ms, "bandwidth_mb_s": bw, "batch": batch, "compute_ms": compute_ms,
-                      "samples": n, "ranks": 4, "straggler_slowdown": 4.0})
-record("layouts", [{"layout": "files", "files": n, "bytes": 2_100_000}, {"layout": "shards", "files": 8, "bytes": 2_050_000},
-                   {"layout": "shards-zlib", "files": 8, "bytes": 1_900_000}, {"layout": "hdf5", "files": 1, "bytes": 2_060_000}])
-def fmt(layout, where, opens, nbytes, elapsed):
-    return {"layout": layout, "where": where, "samples": n, "opens": opens, "opens_per_sample": opens / n,
-            "bytes": nbytes, "elapsed_s": elapsed, "samples_per_s": n / elapsed}
-local = fmt("files", "local", n, 2_100_000, 0.5)
-pfs = fmt("files", "pfs", n, 2_100_000, 0.5 + n * latency_ms / 1000 + 2_100_000 / (bw * 1e6))
-formats = [local, pfs, fmt("shards", "local", 8, 2_050_000, 0.1), fmt("shards", "pfs", 8, 2_050_000, 0.14)]
-record("formats", formats)
-record("predicted_pfs_files_s", local["elapsed_s"] + pfs["opens"] * latency_ms / 1000 + pfs["bytes"] / (bw * 1e6))
-sweep = []
-for w, sps, stall in ((0, 900.0, 0.6), (1, 1500.0, 0.4), (2, 2900.0, 0.1), (4, 3300.0, 0.02), (8, 3400.0, 0.01)):
-    sweep.append({"threads": w, "samples_per_s": sps, "stall_fraction": stall, "batches": 20, "read_s": 0.4,
-                  "decode_s": 0.05, "mean_occupancy": w})
-record("prefetch_sweep", sweep)
-record("needed_threads", math.ceil((0.4 + 0.05) / 20 / (compute_ms / 1000)))
-record("chosen_threads", 4)
-record("cache_epochs", [{"where": "pfs", "epoch": 0, "samples_per_s": 900.0, "pfs_opens": 1000},
-                        {"where": "cached", "epoch": 0, "samples_per_s": 850.0, "pfs_opens": 1000},
-                        {"where": "cached", "epoch": 1, "samples_per_s": 9000.0, "pfs_opens": 0}])
-record("reuse", {"accesses": 3000, "median_distance": 1000.0, "future_hit_rate": 0.45, "lru_hit_rate_lib": 0.12})
-record("lru_hit_rate", 0.12)
-record("order_aware", [{"policy": "read-ahead", "fetches": 800, "accesses": 800, "hits": 0, "misses": 800, "elapsed_s": 2.0},
-                       {"policy": "order-aware", "fetches": 600, "accesses": 800, "hits": 200, "misses": 600, "elapsed_s": 1.5}])
-def strag(busy, step_s, waits):
-    return {"rank_busy_s": busy, "step_s": step_s, "efficiency": sum(busy) / len(busy) / step_s, "wait_s": waits}
-record("straggler", {"even": strag([0.1] * 4, 0.1, [0.0] * 4),
-                     "straggler": strag([0.1, 0.1, 0.1, 0.4], 0.4, [0.3, 0.3, 0.3, 0.0])})
-record("predicted_efficiency", (3 + 4.0) / (4 * 4.0))
 import math
 def cosine(step, total, peak, warm):
     if step < warm:
@@ -384,6 +348,42 @@ for label, plan, loss in (("constant", [(64, 0.16)] * 3, 0.45), ("decay", [(64, 
 record("growth_vs_decay", growth)
 record("lab04_nodes", 1)
 record("job_run", None)
+'''
+
+LAB05 = '''
+import math
+n, batch, latency_ms, bw, compute_ms = 2000, 32, 2.0, 100.0, 8.0
+record("pfs_params", {"open_latency_ms": latency_ms, "bandwidth_mb_s": bw, "batch": batch, "compute_ms": compute_ms,
+                      "samples": n, "ranks": 4, "straggler_slowdown": 4.0})
+record("layouts", [{"layout": "files", "files": n, "bytes": 2_100_000}, {"layout": "shards", "files": 8, "bytes": 2_050_000},
+                   {"layout": "shards-zlib", "files": 8, "bytes": 1_900_000}, {"layout": "hdf5", "files": 1, "bytes": 2_060_000}])
+def fmt(layout, where, opens, nbytes, elapsed):
+    return {"layout": layout, "where": where, "samples": n, "opens": opens, "opens_per_sample": opens / n,
+            "bytes": nbytes, "elapsed_s": elapsed, "samples_per_s": n / elapsed}
+local = fmt("files", "local", n, 2_100_000, 0.5)
+pfs = fmt("files", "pfs", n, 2_100_000, 0.5 + n * latency_ms / 1000 + 2_100_000 / (bw * 1e6))
+formats = [local, pfs, fmt("shards", "local", 8, 2_050_000, 0.1), fmt("shards", "pfs", 8, 2_050_000, 0.14)]
+record("formats", formats)
+record("predicted_pfs_files_s", local["elapsed_s"] + pfs["opens"] * latency_ms / 1000 + pfs["bytes"] / (bw * 1e6))
+sweep = []
+for w, sps, stall in ((0, 900.0, 0.6), (1, 1500.0, 0.4), (2, 2900.0, 0.1), (4, 3300.0, 0.02), (8, 3400.0, 0.01)):
+    sweep.append({"threads": w, "samples_per_s": sps, "stall_fraction": stall, "batches": 20, "read_s": 0.4,
+                  "decode_s": 0.05, "mean_occupancy": w})
+record("prefetch_sweep", sweep)
+record("needed_threads", math.ceil((0.4 + 0.05) / 20 / (compute_ms / 1000)))
+record("chosen_threads", 4)
+record("cache_epochs", [{"where": "pfs", "epoch": 0, "samples_per_s": 900.0, "pfs_opens": 1000},
+                        {"where": "cached", "epoch": 0, "samples_per_s": 850.0, "pfs_opens": 1000},
+                        {"where": "cached", "epoch": 1, "samples_per_s": 9000.0, "pfs_opens": 0}])
+record("reuse", {"accesses": 3000, "median_distance": 1000.0, "future_hit_rate": 0.45, "lru_hit_rate_lib": 0.12})
+record("lru_hit_rate", 0.12)
+record("order_aware", [{"policy": "read-ahead", "fetches": 800, "accesses": 800, "hits": 0, "misses": 800, "elapsed_s": 2.0},
+                       {"policy": "order-aware", "fetches": 600, "accesses": 800, "hits": 200, "misses": 600, "elapsed_s": 1.5}])
+def strag(busy, step_s, waits):
+    return {"rank_busy_s": busy, "step_s": step_s, "efficiency": sum(busy) / len(busy) / step_s, "wait_s": waits}
+record("straggler", {"even": strag([0.1] * 4, 0.1, [0.0] * 4),
+                     "straggler": strag([0.1, 0.1, 0.1, 0.4], 0.4, [0.3, 0.3, 0.3, 0.0])})
+record("predicted_efficiency", (3 + 4.0) / (4 * 4.0))
 losses = [1.4 - 0.01 * i for i in range(15)]
 engine = []
 for fmt_name, step_s, data in (("files", 0.08, 0.75), ("shards", 0.02, 0.1)):
