@@ -225,8 +225,17 @@ if EVENTS:
 '''
 
 LAB03 = '''
-port = {c: [{"rank": r, "size": 2, "controller": c, "replica_max_diff": 0.0, "reference_max_diff": 0.0,
-             "losses": [1.3 + 0.1 * r, 1.2, 1.1]} for r in range(2)] for c in ("gloo", "mpi")}
+port = {}
+for launcher, controller in (("horovodrun", "gloo"), ("mpirun", "mpi")):
+    ranks = [{"rank": r, "size": 2, "controller": controller, "replica_max_diff": 0.0, "reference_max_diff": 0.0,
+              "losses": [1.3 + 0.1 * r, 1.2, 1.1], "averaged_losses": [1.35, 1.2, 1.1],
+              "state_spread_before": 0.025 * r, "state_spread_after": 0.0, "state_sha256": "ab" * 32,
+              "params_sha256": "cd" * 32, "not_implemented": [], "wrapped": "SGD"} for r in range(2)]
+    port[launcher] = {"run_dir": f"runs/lab03/{launcher}", "ranks": ranks}
+    if EVENTS:  # the ranks' own result files
+        Path(port[launcher]["run_dir"]).mkdir(parents=True, exist_ok=True)
+        for row in ranks:
+            Path(f"{port[launcher]['run_dir']}/result-0-{row['rank']}.json").write_text(json.dumps(row))
 record("port", port)
 record("timeline", {"ok": True, "events": 400, "activities": {"ALLREDUCE": 40, "NEGOTIATE_ALLREDUCE": 40},
                     "tensors": ["allreduce.net.0.weight", "allreduce.net.0.bias"]})
@@ -255,6 +264,33 @@ if EVENTS:  # Horovod's timeline: a process per tensor; every 20 ms 4 tensors ne
     path = Path(runs[1]["run_dir"]) / "traces" / "horovod-timeline.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(timeline))
+# the fusion sweep: 4 tensors, 3 steps a point, each step's tensors fused (one all-reduce) unless the threshold is 0
+sweep, readings = [], []
+for mb, cycle, step_ms in ((0, 1, 12.0), (0, 10, 20.0), (128, 1, 8.0), (128, 10, 20.0)):
+    run_dir = f"runs/lab03/fusion/fusion-{mb}mb-cycle-{cycle}ms"
+    point = {"threshold_mb": mb, "cycle_ms": cycle, "run_dir": run_dir, "timeline": f"{run_dir}/timeline.json",
+             "step_ms_rank0": step_ms}
+    sweep.append(point)
+    readings.append({**point, "steps": 3, "tensors": 4, "fused_per_step": 4.0 if mb == 0 else 1.0,
+                     "tensors_per_fused": 1.0 if mb == 0 else 4.0, "step_ms": step_ms})
+    if EVENTS:
+        spans = [{"name": "process_name", "ph": "M", "pid": p, "args": {"name": f"allreduce.net.{p}.weight"}}
+                 for p in range(4)]
+        for k in range(3):
+            t0 = 1e5 + k * 1e3 * step_ms
+            for p in range(4):
+                start = t0 + 3e3 + (500 * p if mb == 0 else 0)
+                spans += [{"name": "NEGOTIATE_ALLREDUCE", "ph": "X", "pid": p, "tid": 1, "ts": t0, "dur": 2e3},
+                          {"name": "ALLREDUCE", "ph": "X", "pid": p, "tid": 1, "ts": start, "dur": 400}]
+        spans += [{"name": "CYCLE_START", "ph": "i", "pid": 0, "tid": 0, "ts": 1e3 * cycle * c} for c in range(60)]
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        Path(point["timeline"]).write_text(json.dumps(spans))
+        Path(f"{run_dir}/result-0-0.json").write_text(json.dumps({"fusion_threshold": str(mb * 2**20),
+                                                                  "cycle_time": str(cycle)}))
+record("fusion_sweep", sweep)
+record("fusion_readings", readings)
+best = min(readings, key=lambda p: p["step_ms"])
+record("fusion_choice", {"threshold_mb": best["threshold_mb"], "cycle_ms": best["cycle_ms"]})
 '''
 
 LAB04 = '''
