@@ -209,6 +209,27 @@ def test_two_task_batch_job_runs_srun_on_both_tasks(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
+def test_the_job_completion_log_is_roots_alone_and_closed_again_on_up(slurm_cluster, tmp_path):
+    """ATTACK: every account read the job completion log (each classmate's jobs, nodes, times and exit codes: what
+    PrivateData hides from squeue). Now it is 0600 root's; one left open by an older release is closed by `cluster
+    up`. The control: finished jobs are still written to it (root reads them)."""
+    import stat
+    log = slurm_cluster.paths.jobcomp_log
+    jobid = submit(slurm_cluster, "-o", "/dev/null", "--wrap", "true")
+    wait_for(slurm_cluster, jobid, {"COMPLETED", "FAILED", "CANCELLED"})
+    deadline = time.monotonic() + 30
+    while f"JobId={jobid} " not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert f"JobId={jobid} " in log.read_text()  # the control: accounting still written
+    assert (stat.S_IMODE(log.stat().st_mode), log.stat().st_uid) == (0o600, 0)
+    read = subprocess.run(["cat", str(log)], user=65534, capture_output=True, text=True)
+    assert read.returncode != 0 and f"JobId={jobid}" not in read.stdout  # a classmate (uid 65534) reads nothing
+    log.chmod(0o644)  # as an older release left it, the cluster still running
+    slurm_cluster.up()
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+@pytest.mark.slurm
 def test_squeue_shows_a_job_and_scancel_removes_it(slurm_cluster):
     jobid = submit(slurm_cluster, "-o", "/dev/null", "--wrap", "sleep 120")
     try:

@@ -230,7 +230,8 @@ def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid
         f"DefMemPerCPU={def_mem}",
         "PreemptMode=OFF",
         # No slurmdbd: `sacct` does not work. Finished jobs stay in `scontrol show job` for MinJobAge seconds,
-        # and every finished job gets one line (with its exit code) in the jobcomp file after that.
+        # and every finished job gets one line (with its exit code) in the jobcomp file after that (0600, root's:
+        # every classmate's jobs are in it; LocalCluster._seal_accounting).
         "AccountingStorageType=accounting_storage/none",
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={p.jobcomp_log}",

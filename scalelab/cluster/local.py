@@ -147,6 +147,7 @@ class LocalCluster:
         """Start munged, slurmctld and slurmd unless already healthy with this version's slurm.conf (a cluster left
         running by an older scalelab is restarted with the new one); return once a job runs on the node."""
         if self._healthy() and self._conf_current():
+            self._seal_accounting()  # a cluster an older release left running: its job log closed now
             return self
         self._preflight()
         deadline = time.monotonic() + timeout
@@ -203,6 +204,7 @@ class LocalCluster:
         # Readable by everyone (as /etc/slurm is) so other local users can submit; the key stays 0600.
         for d in (self.state_dir, p.log_dir, p.run_dir, p.munge_dir):
             d.chmod(0o755)
+        self._seal_accounting()
         m = detect_machine()
         self.conf_path.write_text(self._conf_text(m))
         gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus, files=m.gpu_files)
@@ -212,6 +214,21 @@ class LocalCluster:
             fd = os.open(p.munge_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(os.urandom(128))
+
+    def _seal_accounting(self) -> None:
+        """The job completion log holds every job's user, nodes, times and exit code (what PrivateData hides from
+        squeue): root's alone (SlurmUser is root), made 0600 before slurmctld first opens it (jobcomp/filetxt would
+        create it 0644) and closed again when one made by an older release is found. Another account's `cluster
+        up` on a running cluster cannot, and need not: the file is root's."""
+        try:
+            fd = os.open(self.paths.jobcomp_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
 
     def _start(self, daemon: str, cmd: list[str]) -> None:
         """Start one daemon (it forks into the background itself) and wait for its pid file."""

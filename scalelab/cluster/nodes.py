@@ -122,6 +122,7 @@ class NodesCluster(LocalCluster):
     def up(self, timeout: float = 90) -> "NodesCluster":
         """Start (or repair) the namespaces, munged, slurmctld and every slurmd; return once a job runs on all nodes."""
         if self._healthy():
+            self._seal_accounting()
             return self
         self._preflight()
         deadline = time.monotonic() + timeout
