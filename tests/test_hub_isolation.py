@@ -213,6 +213,26 @@ def test_oversized_options_are_refused_before_they_are_stored_or_logged(local_hu
     assert flood[:200] not in (local_hub.workdir / "hub.log").read_text(errors="replace")
 
 
+def test_a_token_note_and_the_number_of_tokens_are_bounded(local_hub):
+    """ATTACK: a token's note was stored as sent (any size, in the database and on every token page) and a loop
+    could add tokens without end. The control: a token with a short note is made and listed."""
+    from scalelab.hub.api import MAX_TOKEN_NOTE_CHARS
+    user = local_hub.login("alice")
+    flood = "N" * 50_000
+    r = user.api("POST", f"/users/{user.name}/tokens", json={"note": flood})
+    assert r.status_code == 413 and flood not in r.text
+    r = user.api("POST", f"/users/{user.name}/tokens", json={"note": "N" * (MAX_TOKEN_NOTE_CHARS + 1)})
+    assert r.status_code == 400, r.text
+    r = user.api("POST", f"/users/{user.name}/tokens", json={"note": "for my script", "expires_in": 3600})
+    assert r.status_code == 201, r.text
+    notes = [t["note"] for t in user.api("GET", f"/users/{user.name}/tokens").json()["api_tokens"]]
+    assert "for my script" in notes and not any(n and len(n) > MAX_TOKEN_NOTE_CHARS for n in notes)
+    assert flood[:200] not in (local_hub.workdir / "hub.log").read_text(errors="replace")
+    codes = {user.api("POST", f"/users/{user.name}/tokens", json={"note": f"n{i}"}).status_code for i in range(110)}
+    assert codes == {201, 403}
+    assert len(user.api("GET", f"/users/{user.name}/tokens").json()["api_tokens"]) <= 100
+
+
 def test_a_roster_signs_students_in_with_their_own_passwords_only(open_dir):
     roster = open_dir / "class.csv"
     roster.write_text("name,password\nann,ann-own-pass-1\nbob,\n")

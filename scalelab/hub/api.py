@@ -1,5 +1,6 @@
-"""Hub API handlers the course replaces: batchspawner's `POST /hub/api/batchspawner`, and a size bound on the
-server routes (`install_body_limits`: user options are refused before JupyterHub stores or logs them).
+"""Hub API handlers the course replaces: batchspawner's `POST /hub/api/batchspawner`, and bounds on what a user
+makes the hub store (`install_body_limits`: user options refused before JupyterHub stores or logs them; a token's
+note, its request body and the number of tokens a user holds).
 
 batchspawner's own handler (batchspawner/api.py) sets *any* spawner attribute named in the request body, and the
 token that authorises the call is the student's own server token, readable inside their job. With it a student can
@@ -79,9 +80,46 @@ class BoundedServerAPIHandler(users.UserServerAPIHandler):
         await super().prepare()
 
 
+#: What a token request stores: a note a person reads in the token list, a few scopes, an expiry.
+MAX_TOKEN_BODY_BYTES = 4096
+MAX_TOKEN_NOTE_CHARS = 200
+#: Live (unexpired) tokens one user may hold: each is a database row; a loop of requests must not grow it forever.
+MAX_TOKENS_PER_USER = 100
+
+
+class BoundedTokenListAPIHandler(users.UserTokenListAPIHandler):
+    """JupyterHub's create-a-token API with its stored fields bounded: the body, the note, the number of tokens."""
+
+    async def prepare(self):
+        if self.request.method == "POST":
+            size = len(self.request.body or b"")
+            if size > MAX_TOKEN_BODY_BYTES:
+                raise web.HTTPError(413, f"request body of {size} bytes; a token request takes at most "
+                                         f"{MAX_TOKEN_BODY_BYTES} (a note, scopes, an expiry)")
+            try:
+                note = (json.loads(self.request.body or b"{}") or {}).get("note")
+            except (ValueError, AttributeError):
+                note = None  # JupyterHub's own handler answers malformed bodies
+            if isinstance(note, str) and len(note) > MAX_TOKEN_NOTE_CHARS:
+                raise web.HTTPError(400, f"a token note of {len(note)} characters; at most {MAX_TOKEN_NOTE_CHARS}")
+        await super().prepare()
+
+    async def post(self, user_name):
+        from datetime import datetime, timezone
+        user = self.find_user(user_name)
+        if user is not None:
+            now = datetime.now(timezone.utc).replace(tzinfo=None)
+            live = [t for t in user.api_tokens if t.expires_at is None or t.expires_at > now]
+            if len(live) >= MAX_TOKENS_PER_USER:
+                raise web.HTTPError(403, f"{user_name} already holds {len(live)} tokens, the most a user may hold "
+                                         f"({MAX_TOKENS_PER_USER}): delete some (Token page) first")
+        return await super().post(user_name)
+
+
 def install_body_limits(handlers: list | None = None) -> list:
-    """Put BoundedServerAPIHandler in JupyterHub's API handler list in place of its server handler."""
+    """Put the bounded handlers in JupyterHub's API handler list in place of its server and token-list handlers."""
     handlers = apihandlers.default_handlers if handlers is None else handlers
-    handlers[:] = [(route, BoundedServerAPIHandler if cls is users.UserServerAPIHandler else cls, *rest)
-                   for route, cls, *rest in handlers]
+    bounded = {users.UserServerAPIHandler: BoundedServerAPIHandler,
+               users.UserTokenListAPIHandler: BoundedTokenListAPIHandler}
+    handlers[:] = [(route, bounded.get(cls, cls), *rest) for route, cls, *rest in handlers]
     return handlers
