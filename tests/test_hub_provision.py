@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,57 @@ def test_command_line_entry(course, tmp_path, capsys):
 def test_missing_source_hands_out_nothing(tmp_path):
     r = provision_labs(tmp_path / "nope", tmp_path / "home")
     assert r.copied == [] and not (tmp_path / "home").exists()
+
+
+def test_a_huge_sparse_file_in_place_of_a_lab_file_is_not_read(course, tmp_path):
+    """ATTACK: a student replaces a lab file with a 1 TB sparse file: comparing it read it all (minutes, and the
+    whole `labs update` batch stopped at its timeout). It is now not read: it counts as the student's own, and the
+    course's version goes beside it. The control: the other file is updated as usual."""
+    import time
+    home = tmp_path / "home"
+    provision_labs(course, home)
+    huge = home / "labs/01_ddp/lab.ipynb"
+    with open(huge, "r+b") as f:
+        f.truncate(2**40)
+    (course / "01_ddp" / "lab.ipynb").write_text("v2")
+    (course / "01_ddp" / "checks.py").write_text("checks v2")
+    t0 = time.monotonic()
+    r = provision_labs(course, home)
+    assert time.monotonic() - t0 < 10
+    assert r.updated == ["01_ddp/checks.py"] and r.beside == [beside_name(Path("01_ddp/lab.ipynb"), _digest("v2")).as_posix()]
+    assert huge.stat().st_size == 2**40
+
+
+def _digest(text: str) -> str:
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_one_students_home_that_times_out_never_stops_labs_update_for_the_others(tmp_path, monkeypatch, capsys):
+    """ATTACK: `labs update` stopped at the first home whose copy ran past its timeout (an uncaught
+    TimeoutExpired): every student after it got nothing. Now that student's line says why; the others go on."""
+    import subprocess
+    from types import SimpleNamespace
+    from scalelab.cli import course as cli_course
+    from scalelab.cli.grade import labs_update_command
+    from scalelab.course import collect
+    homes = {name: tmp_path / name for name in ("ann", "ben", "cat")}
+    monkeypatch.setattr(cli_course, "student_homes", lambda args: (homes, "labs"))
+    done = []
+
+    def run_as_owner(home, argv, **kw):
+        if home.name == "ben":
+            raise subprocess.TimeoutExpired(argv, 120)
+        done.append(home.name)
+        return subprocess.CompletedProcess(argv, 0, b"", b"scalelab provision: copied 2\n")
+    monkeypatch.setattr(collect, "run_as_owner", run_as_owner)
+    source = tmp_path / "labs"
+    (source / "01_x").mkdir(parents=True)
+    (source / "01_x" / "lab.ipynb").write_text("{}")
+    config = tmp_path / "course.yaml"
+    config.write_text(f"labs:\n  source: {source}\nhub:\n  state_dir: {tmp_path / 'state'}\n")
+    assert labs_update_command(SimpleNamespace(config=str(config), users=None, homes=None)) == 0
+    out = capsys.readouterr().out
+    assert done == ["ann", "cat"]
+    assert "not updated: the copy took longer than 120 s" in out.split("ben", 1)[1].splitlines()[0]
+    assert "copied 2" in out.split("cat", 1)[1].splitlines()[0]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 from ..course.lab import GradingError
@@ -115,6 +116,11 @@ def labs_update_command(args) -> int:
             r = run_as_owner(home, argv)
             said = (r.stderr.decode(errors="replace").strip().splitlines() or [f"exit {r.returncode}"])[-1]
         except OwnerError as e:
+            said = f"not updated: {e}"
+        except subprocess.TimeoutExpired as e:  # one student's home never stops the others'
+            said = (f"not updated: the copy took longer than {e.timeout:.0f} s (a huge file in the home?); the other "
+                    "students go on")
+        except OSError as e:
             said = f"not updated: {e}"
         print(f"{student:<20} {printable(said.removeprefix('scalelab provision: '))}")
     return 0
