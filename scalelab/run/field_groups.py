@@ -166,7 +166,8 @@ class CheckpointSpec:
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir if there is one."""
     local_dir: str = ""
-    """The node-local tier of mode multilevel (empty: /dev/shm/scalelab-ckpt-<hash of the run dir>)."""
+    """The node-local tier of mode multilevel (empty: /dev/shm/scalelab-ckpt-u<uid>/<hash of the run dir>). Made
+    private (0700) when the run starts; a folder another account made first, or a link, is refused (ckpt/private.py)."""
     on_signal: bool = False
     """On SIGTERM or SIGUSR1 (preemption, a time limit near) the ranks agree at the next step, save an emergency
     checkpoint and exit cleanly (run status 'preempted'); a relaunch resumes from it exactly."""
