@@ -12,7 +12,7 @@ import json, time
 from pathlib import Path
 
 def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, every=0, blocked_s=0.0,
-             start_step=0, mode="sync", strategy="ddp", data_fraction=0.0):
+             start_step=0, mode="sync", strategy="ddp", data_fraction=0.0, start_extra=None, step_extra=None):
     events = Path(run_dir) / "events"
     events.mkdir(parents=True, exist_ok=True)
     total = start_step + len(losses)
@@ -20,11 +20,12 @@ def fake_run(run_dir, world=1, losses=(1.4, 1.3, 1.2), batch=32, step_s=0.004, e
         with open(events / f"rank-{rank}.jsonl", "a") as f:
             def emit(**e):
                 f.write(json.dumps({"rank": rank, "t": time.time(), **e}) + "\\n")
-            emit(type="start", world_size=world, start_step=start_step, total_steps=total, strategy=strategy)
+            emit(type="start", world_size=world, start_step=start_step, total_steps=total, strategy=strategy,
+                 **(start_extra or {}))
             for step, loss in enumerate(losses, start_step + 1):
                 emit(type="step", step=step, loss=loss, lr=0.05, samples=batch, step_s=step_s,
                      data_s=data_fraction * step_s, compute_s=(1 - data_fraction) * step_s, comm_s=0.0,
-                     samples_per_s=batch / step_s)
+                     samples_per_s=batch / step_s, **(step_extra or {}))
                 if every and step % every == 0 and step < total:
                     emit(type="checkpoint", step=step, metric=loss, blocked_s=blocked_s, mode=mode)
             emit(type="end", steps=total, final_loss=losses[-1], eval_accuracy=0.5, elapsed_s=step_s * len(losses))
@@ -177,6 +178,22 @@ if EVENTS:
         ddp_trace(f"runs/lab02/ddp-traced/traces/rank-{rank}.json", 2, 5.0, 0.2 * 5.0)
     for c, b, m, h in caps:
         ddp_trace(traces[c], b, m, h)
+
+# section 7: five compression runs whose events show the bytes and losses the checks want
+hooks = {"allreduce": ("allreduce", None, 340008, 0.0), "fp16": ("my_cast:fp16_hook", "my_cast.py", 170004, 0.0),
+         "powersgd": ("powersgd", None, 6480, 0.1), "topk_ef": ("my_topk:topk_hook", "my_topk.py", 5100, -0.02),
+         "topk_no_ef": ("my_topk:topk_hook", "my_topk.py", 5100, 1.0)}
+compressed = []
+for name, (hook, module, sent, worse) in hooks.items():
+    curve = [1.4 - 0.01 * i + worse for i in range(20)]
+    run_dir = f"runs/lab02/compression/{name}"
+    compressed.append({"name": name, "comm_hook": hook, "run_dir": run_dir, "wire_bytes": sent, "collectives": 1,
+                       "step_ms": 8.0, "loss_curve": curve, "tail_loss": sum(curve[-10:]) / 10, "eval_accuracy": 0.8})
+    if EVENTS:
+        fake_run(run_dir, world=2, losses=curve, batch=batch, step_s=step_s,
+                 start_extra={"comm_hook": hook, "code": {module: "0" * 64} if module else {}},
+                 step_extra={"wire_bytes": sent, "comm_bytes": sent, "collectives": 1})
+record("compression", compressed)
 '''
 
 LAB06 = '''

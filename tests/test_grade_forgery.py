@@ -85,7 +85,8 @@ def test_the_forgeries_fit_the_recomputation_checks(lab):
     earned, most = sum(r.points for r in results), sum(r.max_points for r in results)
     unmet = [f"{r.name}: {r.message}" for r in results if r.outcome != "pass" and "grader.runs" not in r.message]
     assert not unmet, unmet  # every check that does not read the evidence passes
-    assert earned >= 0.6 * most, f"{earned}/{most}"
+    # and they earn at least half the lab's points that way (the code exercises' checks read only the evidence)
+    assert earned >= 0.5 * most, f"{earned}/{most}"
 
 
 @pytest.mark.parametrize("lab", sorted(FORGERIES))
