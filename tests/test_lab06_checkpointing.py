@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from labtests import ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise,
+                      assert_wrong_code_loses)
 
 LAB = ROOT / "labs" / "06_checkpointing"
 pytestmark = pytest.mark.slow
@@ -31,6 +32,16 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert modes["sharded"]["flush_s"] > 0 and modes["async"]["flush_s"] > 0  # written in the background
     assert records["resume"]["start_step"] == 8 and records["max_param_diff"] == 0.0
     assert [a["status"] for a in records["slices"]["attempts"]][-1] == "succeeded"
+    kill = records["kill_test"]  # the student's save killed mid-write, resumed by the student's restore
+    assert kill["killed_in_save"] and kill["save_ok"] and kill["restore_ok"] and kill["resume_ok"], kill
+
+
+def test_wrong_save_and_restore_lose_their_points(lab_gradings):
+    assert_wrong_code_loses(lab_gradings, LAB, {
+        "kill_leaves_no_partial_checkpoint": "a save that writes the checkpoint and the manifest in place",
+        "own_save_survives_a_kill": "a save that writes the checkpoint and the manifest in place",
+        "restore_loads_only_intact_checkpoints": "a restore that loads the newest file in the folder",
+        "own_restore_resumes_exactly": "a restore that loads the newest file in the folder"})
 
 
 def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(lab_gradings):
@@ -55,6 +66,11 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(lab_gradi
      "engine_retention_follows_the_rule"),
     (lambda r: r["slices"]["attempts"][-1].update(start_step=3), "attempts_resume_where_the_last_stopped"),
     (lambda r: r["slices"].update(identical=False), "chain_of_attempts_finishes_identically"),
+    (lambda r: r["kill_test"].update(save_ok=False, save_problems=["x"]), "own_save_survives_a_kill"),
+    (lambda r: r["kill_test"].update(resume_ok=False, resume_problems=["x"]), "own_restore_resumes_exactly"),
+    (lambda r: r["kill_test"].update(run_dir=r["keep_run_dir"]), "kill_leaves_no_partial_checkpoint"),
+    (lambda r: r["kill_test"].update(restore_ok=False), "restore_loads_only_intact_checkpoints"),
+    (lambda r: r["kill_test"].update(resume_ok=False), "resumed_after_the_kill_equals_the_whole_run"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -22,6 +22,22 @@ def checksum_verified_by_hand(r):
     assert r["my_checksum"] == want, f"my_checksum {r['my_checksum']!r}, manifest {want!r}"
 
 
+@check(points=2, needs_run=True)
+def own_save_survives_a_kill(r):
+    """Exercise 2: the kill in the middle of your save left no partial file under a checkpoint's name, the manifest
+    lists every finished save with a matching checksum, and each save went temp file, fsync, rename, folder fsync."""
+    k = r["kill_test"]
+    assert k["save_ok"], "; ".join(k["save_problems"])
+
+
+@check(points=2, needs_run=True)
+def own_restore_resumes_exactly(r):
+    """Exercise 3: your restore skipped the corrupted and the half-written checkpoints, and both resumed runs (after
+    the kill, and from the planted folder) computed the uninterrupted run's losses and final state bit for bit."""
+    k = r["kill_test"]
+    assert k["restore_ok"] and k["resume_ok"], "; ".join(k["restore_problems"] + k["resume_problems"])
+
+
 @check(points=1, needs_run=True)
 def modes_compared(r):
     """Every mode saved checkpoints; async blocked training less than sync."""
@@ -34,7 +50,7 @@ def modes_compared(r):
 
 @check(points=2, needs_run=True)
 def stall_ratio_computed(r):
-    """Exercise 2: stall_ratio is async over sync blocking, below 1; least_blocking names a measured mode."""
+    """Exercise 4: stall_ratio is async over sync blocking, below 1; least_blocking names a measured mode."""
     ratio = r["stall_ratio"]
     assert isinstance(ratio, float) and 0 < ratio < 1, f"stall_ratio should be in (0, 1), got {ratio!r}"
     assert r["least_blocking"] in r["modes"], f"least_blocking {r['least_blocking']!r} is not a measured mode"
@@ -42,7 +58,7 @@ def stall_ratio_computed(r):
 
 @check(points=3, needs_run=True)
 def resume_is_exact(r):
-    """Exercise 3: the resumed run ends with exactly the parameters and losses of the uninterrupted one."""
+    """Exercise 5: the resumed run ends with exactly the parameters and losses of the uninterrupted one."""
     assert r["resume"]["start_step"] > 0, "the second launch did not resume from a checkpoint"
     assert r["max_param_diff"] == 0.0, f"final parameters differ by up to {r['max_param_diff']}"
     assert r["losses_equal"] is True, "the resumed losses differ from the uninterrupted run's"
@@ -50,7 +66,7 @@ def resume_is_exact(r):
 
 @check(points=2, needs_run=True)
 def retention_rule_applied(r):
-    """Exercise 4: my_kept are the newest two plus the two lowest-loss checkpoints of the history."""
+    """Exercise 6: my_kept are the newest two plus the two lowest-loss checkpoints of the history."""
     kept, _ = select(r["retention_history"], keep_last=2, keep_best=2)
     want = sorted(e["step"] for e in kept)
     assert r["my_kept"] == want, f"my_kept {r['my_kept']} (expected {len(want)} steps)"

@@ -2,13 +2,66 @@
 
 Every training run of this lab writes events: the mode comparison, the resume, the retention run and the chain
 of time-limited attempts are held against them. The anatomy demo and the checksum are file operations in the
-notebook's process, held against each other only. Every check needs a real run (`needs_run`).
+notebook's process, held against each other only. The kill test of the student's save and restore (exercises 2 and
+3) is judged again from the files it left in the working copy: the folder as the kill left it (after-kill/), the
+planted folder, and each process's log (losses, state digests, what each restore loaded, the save's file
+operations), re-read with `kill_resume.verdict`. Every check needs a real run (`needs_run`).
 """
+import hashlib
 import math
 import re
 
 from scalelab.ckpt.retention import select
+from scalelab.experiments.kill_resume import reader_beneath, verdict
 from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.evidence import RUNS, WORKDIR
+from scalelab.paths import read_beneath
+
+
+def _kill_verdict(r) -> dict:
+    """The kill test's verdict worked out again from its files in the working copy, after checking that the
+    processes ran the submitted my_ckpt.py; the recorded flags must agree with it."""
+    r[RUNS]  # no grader evidence, no verdict (a notebook that ran nothing ends here as missing)
+    k, work = r["kill_test"], r[WORKDIR]
+    try:
+        v = verdict(reader_beneath(work, k["run_dir"]))
+    except Exception as e:  # noqa: BLE001 - missing, a link, too big, not a log: all the student's files
+        raise AssertionError(f"the kill test's files could not be read ({type(e).__name__}: {e})") from None
+    try:
+        sha = hashlib.sha256(read_beneath(work, "my_ckpt.py", 1 << 20)).hexdigest()
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"my_ckpt.py could not be read from the submission ({e})") from None
+    assert v["code"].get("my_ckpt.py") == sha, f"the kill test did not run the submitted my_ckpt.py ({v['code']})"
+    for part in ("save", "restore", "resume"):
+        assert k[f"{part}_ok"] == v[f"{part}_ok"], f"kill_test {part}_ok is not what the test's files show"
+    return v
+
+
+@check(points=3, needs_run=True)
+def kill_leaves_no_partial_checkpoint(r):
+    """Exercise 2, from the files: the crash run's log shows its save of step 12 begun and the process killed by
+    SIGXFSZ inside it; in the folder as the kill left it, every file under a checkpoint's name is listed in the
+    manifest with the checksum of its bytes, and every finished save is listed; the log of each finished save shows
+    a temporary file in the folder fsynced, renamed into place, the folder fsynced, then the manifest the same way."""
+    v = _kill_verdict(r)
+    assert not v["save_problems"], "; ".join(v["save_problems"])
+
+
+@check(points=3, needs_run=True)
+def restore_loads_only_intact_checkpoints(r):
+    """Exercise 3, from the files: in the planted folder (newest listed checkpoint corrupted, an unlisted half-written
+    one beside it) the restore loaded only bytes of the newest intact checkpoint, step 4, its state digest (weights,
+    momentum, RNG) equal to the uninterrupted run's at step 4, and every later loss and the final state equal."""
+    v = _kill_verdict(r)
+    assert not v["restore_problems"], "; ".join(v["restore_problems"])
+
+
+@check(points=3, needs_run=True)
+def resumed_after_the_kill_equals_the_whole_run(r):
+    """Exercises 2 and 3, from the files: a fresh process restored what the kill left at step 8 (the newest finished
+    save), and from there computed the uninterrupted run's losses and final state bit for bit."""
+    v = _kill_verdict(r)
+    assert not v["resume_problems"], "; ".join(v["resume_problems"])
 
 
 @check(points=3, needs_run=True)

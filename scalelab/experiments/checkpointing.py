@@ -1,5 +1,6 @@
 """The experiments of Lab 06, as functions a notebook cell calls and a test can call too (with what the lab reads
-of the engine's checkpoints: `read_manifest`, retention's `select`)."""
+of the engine's checkpoints: `read_manifest`, retention's `select`; and the kill test of the student's own save and
+restore, `kill_and_resume`, from `kill_resume`)."""
 from __future__ import annotations
 
 import shutil
@@ -12,6 +13,7 @@ from ..ckpt.manifest import read_manifest
 from ..ckpt.retention import select
 from ..ckpt.sync import latest_checkpoint, load_checkpoint, save_checkpoint
 from .ckpt_timeline import timeline
+from .kill_resume import kill_and_resume
 
 
 def anatomy(directory, width: int = 64) -> dict:
@@ -64,4 +66,4 @@ def final_params(run_dir) -> dict:
     return torch.load(Path(run_dir) / "model.pt", weights_only=True)
 
 
-__all__ = ["anatomy", "mode_summary", "final_params", "read_manifest", "select", "timeline"]
+__all__ = ["anatomy", "mode_summary", "final_params", "read_manifest", "select", "timeline", "kill_and_resume"]
