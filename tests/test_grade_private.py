@@ -262,3 +262,70 @@ def test_a_kept_job_folder_ran_under_its_cap_and_is_copied_without_following_any
     seen = read_records_file(tmp_path / "out", "keeper")
     assert seen["keepsakes"] == ["deep", "fifo", "setuid", "shadow"] and "grader.runs" in seen
     assert seen["grader.workdir"] == str(kept.parent)
+
+
+SLEEPER = """
+from pathlib import Path
+import time
+Path("started").write_text("the run is under way")
+time.sleep(600)"""
+
+
+def _processes_of(uid: int) -> list[int]:
+    import psutil
+    return [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+
+
+@root_only
+def test_a_grader_killed_mid_batch_leaves_nothing_once_the_next_one_starts(open_tmp, tmp_path):
+    # A grader SIGKILLed mid-batch left its capped job folders mounted (a tmpfs each, in memory), its batch folder
+    # and its run (the runner has a session of its own) behind, and no later grader cleaned them. Now each batch is
+    # marked with its grader's pid and start time, and a grader starting in the same workdir ends, unmounts and
+    # removes a batch whose grader is gone, and nothing else: a live grader's batch and a folder it did not mark stay.
+    import signal
+    import time
+    from scalelab.grade.grader import GradeOptions, grade
+    from scalelab.grade.job import cap_job_folder, job_base
+    sub = _solved_with(tmp_path / "sleeper.ipynb", SLEEPER)
+    import make_fixtures  # on the path now
+    prog = ("import sys; from scalelab.grade.grader import GradeOptions, grade; "
+            "grade(sys.argv[1], [sys.argv[2]], sys.argv[3], GradeOptions(job_mb=40, workdir=sys.argv[4], "
+            "cell_timeout_s=600, total_timeout_s=600))")
+    dead = subprocess.Popen([sys.executable, "-c", prog, str(make_fixtures.LAB), str(sub), str(tmp_path / "dead"),
+                             str(open_tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not list(open_tmp.glob("scalelab-grade-*/sleeper-*/work/started")):
+        assert dead.poll() is None, dead.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.5)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    [left] = open_tmp.glob("scalelab-grade-*")
+    [job] = [p for p in left.glob("sleeper-*") if p.is_dir()]
+    run_uid = job.stat().st_uid
+    assert _mounts_under(left) == [str(job)] and _processes_of(run_uid), "the killed grader left nothing to clean"
+    # Beside it: a live grader's batch (marked by this process, its job folder mounted) and an unmarked folder.
+    live = job_base(str(open_tmp), sandbox=True)
+    (live / "busy-abcdefgh").mkdir()
+    assert cap_job_folder(live / "busy-abcdefgh", 8)
+    (live / "busy-abcdefgh" / "file").write_text("a live run's")
+    unmarked = open_tmp / "scalelab-grade-unmarked"
+    (unmarked / "job-abcdefgh").mkdir(parents=True)
+    try:
+        sub_ok = _solved_with(tmp_path / "next.ipynb", "x = 1")
+        batch = grade(make_fixtures.LAB, [sub_ok], tmp_path / "next", GradeOptions(job_mb=40, workdir=str(open_tmp)))
+        assert batch.results[0].percent == 100, batch.results[0].message  # the next batch grades as ever
+        assert not left.exists() and not _mounts_under(left), "the dead grader's batch outlived the next start"
+        assert batch.reaped == [left]
+        deadline = time.monotonic() + 30  # SIGKILLed processes leave the table a moment later on a loaded machine
+        while _processes_of(run_uid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _processes_of(run_uid), "the dead grader's run still runs"
+        assert _mounts_under(live) == [str(live / "busy-abcdefgh")]  # the live batch: untouched
+        assert (live / "busy-abcdefgh" / "file").read_text() == "a live run's"
+        assert (unmarked / "job-abcdefgh").is_dir()  # not marked by a grader: not ours to remove
+    finally:
+        from scalelab.grade.reap import kill_uid
+        kill_uid(run_uid)  # a failed test leaves no run behind either
+        for point in _mounts_under(open_tmp):
+            subprocess.run(["umount", "-l", point], check=False)

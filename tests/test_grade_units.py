@@ -406,4 +406,31 @@ def test_job_folders_leave_room_for_the_unix_sockets_runs_make_in_them(tmp_path)
         socket_path = (base / ("s" * JOB_NAME_CHARS + "-abcdefgh") / "tmp" / "pymp-abcdefgh" / "listener-abcdefgh")
         assert len(str(base)) <= MAX_BASE_CHARS and len(str(socket_path)) < 108
     finally:
-        base.rmdir()
+        shutil.rmtree(base)
+
+
+def test_only_a_dead_graders_marked_batch_is_cleaned_up_at_start():
+    # reap_crashed_batches removes a batch folder only when the grader its marker names is gone: a pid now held by a
+    # process started later (pid reuse) or a marker from before the machine restarted counts as gone; a live
+    # grader's, another host's (a shared workdir), a marker written by hand with other bits, or no marker: left.
+    import socket as _socket
+    import tempfile
+    from scalelab.grade.job import BATCH_MARKER, job_base, reap_crashed_batches
+    tmp_path = Path(tempfile.mkdtemp(prefix="sl-reap-"))  # short: job_base refuses a long workdir
+    own = job_base(str(tmp_path), sandbox=False)  # this process: alive
+    batches = {}
+    for name, change in (("reused", {"start": 1.0}), ("rebooted", {"boot_id": "another-boot"}),
+                         ("elsewhere", {"host": _socket.gethostname() + "-other", "start": 1.0}),
+                         ("loose", {"start": 1.0})):
+        base = job_base(str(tmp_path), sandbox=False)
+        (base / "alice-abcdefgh").mkdir()
+        marker = json.loads((base / BATCH_MARKER).read_text())
+        (base / BATCH_MARKER).write_text(json.dumps({**marker, **change}))
+        batches[name] = base
+    batches["loose"].joinpath(BATCH_MARKER).chmod(0o644)  # not the grader's private marker
+    unmarked = tmp_path / "scalelab-grade-unmarked"
+    unmarked.mkdir()
+    assert sorted(reap_crashed_batches(str(tmp_path))) == sorted([batches["reused"], batches["rebooted"]])
+    assert own.is_dir() and batches["elsewhere"].is_dir() and batches["loose"].is_dir() and unmarked.is_dir()
+    assert not batches["reused"].exists() and not batches["rebooted"].exists()
+    shutil.rmtree(tmp_path)

@@ -158,6 +158,9 @@ def grade_command(args) -> int:
             print(f"  graded {r.student}: {r.score:g}/{r.max_score:g} ({r.status})", file=sys.stderr, flush=True)
 
     batch = grade(resolve_lab(args.lab), args.submissions, args.out, options, progress)
+    for folder in batch.reaped:
+        print(f"note: cleaned up {folder}, left by a grader that died mid-batch (its runs ended, its job folders "
+              "unmounted)", file=sys.stderr)
     if args.json:
         from ..grade.report import result_to_dict
         print(json.dumps({"lab": batch.lab, "out": str(batch.out_dir), "gradebook": str(batch.gradebook),

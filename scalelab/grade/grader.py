@@ -36,8 +36,8 @@ from typing import Any, Callable
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .report import file_key
 from .evidence import RUNS, run_evidence, strip_grader_records
-from .job import (JOB_NAME_CHARS, cap_job_folder, copy_submission, guard_parameters, hidden_paths, job_base,
-                  release_job_folder, run_job, runs_need, working_copy)
+from .job import (JOB_NAME_CHARS, cap_job_folder, copy_submission, finish_batch, guard_parameters, hidden_paths,
+                  job_base, reap_crashed_batches, release_job_folder, run_job, runs_need, working_copy)
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
 from .reap import cleanup
 from .sandbox import SandboxPlan, SandboxPolicy, plan_sandbox
@@ -119,6 +119,8 @@ class BatchResult:
     results: list[SubmissionResult]
     gradebook: Path
     duration_s: float
+    reaped: list[Path] = field(default_factory=list)
+    """Batch folders of graders that died mid-batch, cleaned up at this one's start (`job.reap_crashed_batches`)."""
 
 
 MAX_NAME = 100
@@ -169,7 +171,8 @@ def grade(lab_dir: str | Path, submissions: list, out_dir: str | Path | None = N
     from . import report
     report.prepare_out_dir(out, private=os.geteuid() == 0)
     checks = lab_checks(lab.path)  # loaded once, here: check code never runs where a student's code runs
-    base = job_base(options.workdir, options.sandbox)
+    reaped = reap_crashed_batches(options.workdir)  # a dead grader's mounted job folders and runs end here
+    base = job_base(options.workdir, options.sandbox, keep=options.keep_workdirs)
     try:
         needed = runs_need(base) if options.sandbox else []
     except Exception:
@@ -187,12 +190,11 @@ def grade(lab_dir: str | Path, submissions: list, out_dir: str | Path | None = N
                 if progress:
                     progress(result)
     finally:
-        if not options.keep_workdirs:
-            shutil.rmtree(base, ignore_errors=True)
+        finish_batch(base, keep=options.keep_workdirs)
     order = {s.student: i for i, s in enumerate(subs)}
     results.sort(key=lambda r: order[r.student])
     gradebook = report.write_gradebook(out)
-    return BatchResult(lab.name, out, results, gradebook, time.monotonic() - start)
+    return BatchResult(lab.name, out, results, gradebook, time.monotonic() - start, reaped)
 
 
 @dataclass

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -212,9 +214,11 @@ def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float,
     env.update(HOME=str(job / "home"), TMPDIR=str(job / "tmp"), USER="student", LOGNAME="student",
                PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
     with open(log_path, "wb") as log:
+        note_job(job, plan)  # before the start: a grader dying in between leaves a plan to end, not a run unknown
         proc = subprocess.Popen([sys.executable, "-c", RUNNER_MAIN, str(job_file)], cwd=job / "work",
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
+        note_job(job, plan, proc.pid)
         try:
             proc.wait(total + RUNNER_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -316,8 +320,9 @@ multiprocessing binds Unix sockets there (pymp-XXXXXXXX/listener-XXXXXXXX: a Dat
 tensor does): a socket's path must stay under 108 bytes, or the worker fails and the cell hangs to its time limit."""
 
 
-def job_base(workdir: str | None, sandbox: bool) -> Path:
-    """A folder for this batch's job folders: enterable (0711) so each throwaway uid reaches its own job."""
+def job_base(workdir: str | None, sandbox: bool, keep: bool = False) -> Path:
+    """A folder for this batch's job folders: enterable (0711) so each throwaway uid reaches its own job; marked as
+    this grader's (BATCH_MARKER), so a grader started after this one died cleans it up (`reap_crashed_batches`)."""
     where = Path(workdir or tempfile.gettempdir()).resolve()
     longest = len(str(where / "scalelab-grade-XXXXXXXX"))
     if longest > MAX_BASE_CHARS:
@@ -325,13 +330,191 @@ def job_base(workdir: str | None, sandbox: bool) -> Path:
                            f"folder): runs bind Unix sockets in their temporary folders there, whose paths must stay "
                            f"under 108 bytes; pass a shorter --workdir (at most {MAX_BASE_CHARS - 24} characters, "
                            "e.g. /tmp)")
-    base = Path(tempfile.mkdtemp(prefix="scalelab-grade-", dir=workdir))
+    base = Path(tempfile.mkdtemp(prefix=BATCH_PREFIX, dir=workdir))
     base.chmod(0o711)
+    _write_private(base, BATCH_MARKER, {**_this_process(), "keep": keep})
     if os.geteuid() == 0 and sandbox and blocking_ancestor(str(base)):
         shutil.rmtree(base)
         raise GradingError(f"job folders would be made in {base.parent}, inside {blocking_ancestor(str(base))} "
                            "which other users cannot enter; pass --workdir /tmp (or another such folder)")
     return base
+
+
+BATCH_PREFIX = "scalelab-grade-"
+BATCH_MARKER = "batch.grader.json"
+"""In each batch folder, 0600 and the grader's: which process made the batch (host, boot, pid and that pid's start
+time) and whether it keeps its job folders. A job folder's name always ends in '-' and a random part, so it never
+takes this name. A grader that finishes with --keep-workdirs removes it (the kept folders are the instructor's)."""
+JOB_RECORD = ".grader.json"
+"""Beside each job folder, in the batch folder the runs cannot write to: `<job>.grader.json`, the run's sandbox
+plan (its throwaway uid and cgroup) and the runner's pid and start time, for a later grader to end what is left."""
+
+
+def _this_process(pid: int | None = None) -> dict:
+    """What identifies a process on this machine across pid reuse: host, boot, pid and its start time."""
+    import psutil
+    pid = os.getpid() if pid is None else pid
+    try:
+        start = psutil.Process(pid).create_time()
+    except psutil.Error:
+        start = None
+    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "start": start}
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _same_process(who: dict) -> bool | None:
+    """Whether the process `who` (from `_this_process`) still runs: True, False, or None when this machine cannot
+    tell (another host's: a shared workdir; a record without a start time). A zombie has ended; a pid now held by a
+    process started later is another process."""
+    import psutil
+    if not isinstance(who, dict) or who.get("host") != socket.gethostname():
+        return None
+    if who.get("boot_id") != _boot_id():
+        return False  # the machine restarted since: every process of that batch is gone
+    pid, start = who.get("pid"), who.get("start")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, (int, float)):
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - start) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _write_private(folder: Path, name: str, data: dict) -> None:
+    """Write `folder`/`name` as JSON, 0600, never through a link (the folder is the grader's own)."""
+    dfd = _dir_fd(folder)
+    try:
+        tmp = f".{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _dir_fd(folder: Path) -> int:
+    return os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
+def note_job(job: Path, plan: SandboxPlan, runner_pid: int | None = None) -> None:
+    """Record the job's sandbox plan (and, once started, its runner) beside it for `reap_crashed_batches`."""
+    _write_private(job.parent, job.name + JOB_RECORD,
+                   {"plan": plan.to_dict(), "runner": _this_process(runner_pid) if runner_pid else None})
+
+
+def finish_batch(base: Path, keep: bool) -> None:
+    """The batch ended normally: its folder goes, or with `keep` only its marker (the job folders are kept)."""
+    if keep:
+        (base / BATCH_MARKER).unlink(missing_ok=True)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _own_json(folder: Path, name: str) -> dict | None:
+    """A JSON object the grader wrote in its own folder: a regular 0600 file of this uid with one link, read
+    without following any link; None otherwise."""
+    try:
+        dfd = _dir_fd(folder)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(dfd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_mode & 0o077:
+            return None
+        data = load_json_beneath(folder, name, 2**20)
+    except (OSError, UntrustedFileError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def reap_crashed_batches(workdir: str | None) -> list[Path]:
+    """At a grader's start: end, unmount and remove what graders that died mid-batch left in `workdir`.
+
+    Only batch folders of this uid holding a marker a grader wrote (BATCH_MARKER), whose process is gone, are
+    touched: a live grader's batch (its pid still running with the same start time), another host's (a shared
+    workdir) and a folder without a marker stay as they are. Per job the run's leftovers are ended first (the
+    runner, if still the one started; every process of its throwaway uid; its cgroup: `reap.cleanup`), then every
+    mount under the batch is detached (the capped job folders, deepest first) and the batch folder removed; a
+    batch graded with --keep-workdirs keeps its job folders, copied off their tmpfs as a finished one would.
+    Returns the batch folders cleaned up."""
+    where = Path(workdir or tempfile.gettempdir())
+    try:
+        entries = [e for e in os.scandir(where) if e.name.startswith(BATCH_PREFIX)]
+    except OSError:
+        return []
+    done = []
+    for entry in entries:
+        base = Path(entry.path)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        marker = _own_json(base, BATCH_MARKER)
+        if marker is None or _same_process(marker) is not False:
+            continue
+        _reap_batch(base, keep=marker.get("keep") is True)
+        done.append(base)
+    return done
+
+
+def _reap_batch(base: Path, keep: bool) -> None:
+    for name in sorted(os.listdir(base)):
+        if not name.endswith(JOB_RECORD) or name == BATCH_MARKER or name.startswith("."):
+            continue
+        record = _own_json(base, name)
+        if record is None:
+            continue
+        try:
+            plan = SandboxPlan.from_dict(record["plan"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        runner = record.get("runner")
+        try:
+            cleanup(plan, runner["pid"] if _same_process(runner) is True else None)
+        except Exception:  # noqa: BLE001 - one job's leftovers never stop the clean-up of the rest
+            pass
+    for point in sorted(_mounts_below(base), key=lambda p: -len(Path(p).parts)):
+        job = Path(point)
+        try:
+            if keep and job.parent == base:
+                release_job_folder(job, keep=True)
+            else:
+                from .confine import _call
+                _call("umount2", os.fsencode(job), MNT_DETACH)
+        except OSError:
+            pass
+    if keep:
+        finish_batch(base, keep=True)
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _mounts_below(folder: Path) -> list[str]:
+    """Mount points strictly below `folder` in this mount namespace (/proc/self/mountinfo, octal escapes undone)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    prefix = str(folder).rstrip("/") + "/"
+    points = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point.startswith(prefix):
+            points.append(point)
+    return points
 
 
 def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra: tuple[str, ...] = (),
