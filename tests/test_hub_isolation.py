@@ -253,9 +253,11 @@ def test_a_roster_signs_students_in_with_their_own_passwords_only(open_dir):
 @pytest.fixture(scope="module")
 def slurm_hub(open_dir, slurm_cluster):
     profiles = [{"name": "cpu-1h", "display_name": "CPU, 1 h", "partition": "cpu", "cpus_per_task": 1,
-                 "memory": "1G", "walltime": "1:00:00"}]
+                 "memory": "1G", "walltime": "1:00:00"},
+                {"name": "gpu-16", "display_name": "16 GPUs", "partition": "cpu", "gpus_per_node": 16,
+                 "walltime": "1:00:00"}]  # no node of the local cluster has them
     settings = slurm_settings(slurm_cluster, "", profiles)
-    runner = HubRunner(open_dir / "slurm", mode="slurm", accounts=["alice", "bob"], settings=settings)
+    runner = HubRunner(open_dir / "slurm", mode="slurm", accounts=["alice", "bob", "dan"], settings=settings)
     os.chmod(runner.workdir, 0o755)
     runner.start()
     yield runner
@@ -286,3 +288,31 @@ def test_a_spawn_link_starts_no_job(slurm_hub):
     assert "turned off on this hub" in r.text
     assert user.server_model() is None
     assert [j for j in slurm_hub.jobs() if j["id"] not in before] == [], "a job was submitted from the link"
+
+
+@pytest.mark.slurm
+def test_at_a_first_start_a_gpu_profile_the_cluster_lacks_is_a_clear_refusal(slurm_hub):
+    # dan signs in for the first time: his course account does not exist until his first start. The hub asked sinfo
+    # as that account (sudo -u dan: "unknown user"), so every profile looked available, and the GPU profile went on
+    # to sbatch and a failed spawn (a 500). Now the form disables it with why, and choosing it anyway is a 400 that
+    # says why, before an account or a job is made.
+    user = slurm_hub.login("dan")
+    with pytest.raises(KeyError):
+        pwd.getpwnam(user.name)  # the account is not made yet
+    page = user.session.get(f"{slurm_hub.url}/hub/spawn", timeout=30)
+    assert page.status_code == 200
+    assert 'value="gpu-16" disabled' in page.text and "no node of partition &#x27;cpu&#x27; has 16 GPUs" in page.text
+    before = {j["id"] for j in slurm_hub.jobs()}
+    xsrf = user.session.cookies.get("_xsrf", path="/hub/")
+    r = user.session.post(f"{slurm_hub.url}/hub/spawn/{user.name}", timeout=60, allow_redirects=False,
+                          data={"profile": "gpu-16", "_xsrf": xsrf})
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    assert "no node of partition &#x27;cpu&#x27; has 16 GPUs" in r.text or "no node of partition 'cpu' has 16" in r.text
+    r = user.spawn(options={"profile": "gpu-16"})  # the REST API too
+    assert r.status_code == 400 and "has 16 GPUs" in r.text, (r.status_code, r.text[:500])
+    assert [j for j in slurm_hub.jobs() if j["id"] not in before] == [], "a job was submitted"
+    # the control: the CPU profile starts his first server, as his new course account
+    start_servers(slurm_hub, ("dan",), options={"profile": "cpu-1h"})
+    assert {j["user"] for j in slurm_hub.jobs() if j["id"] not in before} == {user.name}
+    user.stop()
+    user.wait_gone(timeout=60)

@@ -96,6 +96,24 @@ def test_profiles_on_missing_partitions_are_refused():
         resolve_options({"profile": "gpu1-2h"}, profiles(), "cpu-2h", unavailable={"gpu1-2h"})
 
 
+def test_a_profile_asking_for_gpus_a_partition_lacks_is_refused_with_why():
+    from scalelab.hub.options import partition_gpus, unavailable_reasons
+    parts = partition_gpus("cpu|(null)\ngpu|gpu:a100:2(S:0,1),mps:100\ngpu|gpu:4")
+    assert parts == {"cpu": [{}], "gpu": [{"a100": 2}, {"": 4}]}
+    ps = profiles() + [Profile(name="a100x4", display_name="4 A100", partition="gpu", walltime="1:00:00",
+                               gpus_per_node=4, gpu_type="a100"),
+                       Profile(name="cpu-gpu", display_name="GPU on cpu", partition="cpu", walltime="1:00:00",
+                               gpus_per_node=1)]
+    why = unavailable_reasons(ps, parts)
+    assert "cpu-2h" not in why and "gpu1-2h" not in why and "node4gpu" not in why  # the controls: given
+    assert why["a100x4"] == "no node of partition 'gpu' has 4 a100 GPUs"
+    assert why["cpu-gpu"] == "no node of partition 'cpu' has 1 GPU"
+    with pytest.raises(OptionError, match=r"\(no node of partition 'cpu' has 1 GPU\); choose another"):
+        resolve_options({"profile": "cpu-gpu"}, ps, "cpu-2h", unavailable=why)
+    assert "not available on this cluster: no node of partition &#x27;cpu&#x27; has 1 GPU" in \
+        options_form_html(ps, "cpu-2h", why)
+
+
 def test_form_data_becomes_options():
     assert options_from_form({"profile": ["gpu1-2h"], "walltime": [""], "_xsrf": ["x"]}) == {"profile": "gpu1-2h"}
     assert options_from_form({"profile": ["cpu-2h"], "walltime": ["1:00:00"]}) == \

@@ -58,7 +58,7 @@ FAKE = textwrap.dedent('''\
     elif cmd == "scancel":
         st["jobs"][sys.argv[1]]["state"] = "CANCELLED"; save()
     elif cmd == "sinfo":
-        save(); print("\\n".join(st.get("partitions", ["cpu", "gpu"])))
+        save(); print("\\n".join(st.get("partitions", ["cpu|(null)", "gpu|gpu:2"])))
 ''')
 
 
@@ -192,11 +192,36 @@ def test_options_out_of_bounds_are_a_400_before_anything_is_submitted(spawner, f
 
 
 def test_profiles_on_missing_partitions_are_shown_disabled_and_refused(spawner, fake):
-    fake.update(partitions=["cpu"])
+    fake.update(partitions=["cpu|(null)"])
     form = run(spawner._render_form(spawner))
     assert 'value="gpu-1h" disabled' in form
     with pytest.raises(web.HTTPError, match="not available"):
         run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
+
+
+def test_before_the_account_exists_a_gpu_profile_the_cluster_lacks_is_a_clear_refusal(spawner, fake):
+    # At a student's first start the course account does not exist yet: sinfo run as that account (sudo -u) failed,
+    # every profile looked available, and a GPU profile the cluster lacks went to sbatch and failed the spawn (a
+    # 500). What the cluster offers is now asked as the hub, and a profile whose partition has no such GPUs is
+    # disabled in the form and refused with a 400 that says why, before the account or a job is made.
+    spawner.run_as, spawner.exec_prefix = "student-accounts", "sudo -E -u {username}"
+    spawner.user.name = "sl-no-such-account"
+    fake.update(partitions=["cpu|(null)", "gpu|(null)"])  # a gpu partition, but no GPUs in it
+    form = run(spawner._render_form(spawner))
+    assert 'value="gpu-1h" disabled' in form and "no node of partition &#x27;gpu&#x27; has 1 GPU" in form
+    assert 'value="cpu-1h" checked' in form  # the control: the CPU profile is offered
+    with pytest.raises(web.HTTPError) as e:
+        run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
+    assert e.value.status_code == 400
+    assert e.value.log_message == ("profile 'gpu-1h' is not available on this cluster (no node of partition 'gpu' "
+                                   "has 1 GPU); choose another")
+    run(spawner._apply_course_options(spawner, {"profile": "cpu-1h"}))  # the control: accepted
+    assert spawner.job_request.profile.name == "cpu-1h"
+    assert fake.calls("sinfo") and fake.calls("sbatch") == []
+    CourseSlurmSpawner._partitions_cache = (0.0, None)
+    fake.update(partitions=["cpu|(null)", "gpu|gpu:tesla:2(S:0-1)"])  # with GPUs the profile is given
+    run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
+    assert spawner.job_request.profile.name == "gpu-1h"
 
 
 def test_a_job_that_dies_before_reporting_its_port_fails_fast_with_its_log(spawner, fake):

@@ -110,6 +110,48 @@ def profiles_from_settings(slurm: Mapping[str, Any]) -> list[Profile]:
     return out
 
 
+def partition_gpus(sinfo: str) -> dict[str, list[dict[str, int]]]:
+    """What `sinfo -h -o '%R|%G'` says each partition's nodes hold: partition -> one {gpu type ('' = untyped):
+    count} per line (a group of alike nodes). A line without '|' (an older reply: the partition's name only) counts
+    as a partition whose GPUs are unknown, and is read as holding none."""
+    out: dict[str, list[dict[str, int]]] = {}
+    for line in sinfo.splitlines():
+        name, _, gres = line.strip().partition("|")
+        if not name:
+            continue
+        gpus: dict[str, int] = {}
+        for item in re.sub(r"\([^)]*\)", "", gres).split(","):  # gpu:a100:4(S:0,1) -> gpu:a100:4
+            fields = item.strip().split(":")
+            if len(fields) < 2 or fields[0] != "gpu" or not fields[-1].isdigit():
+                continue
+            kind = fields[1] if len(fields) > 2 else ""
+            gpus[kind] = gpus.get(kind, 0) + int(fields[-1])
+        out.setdefault(name, []).append(gpus)
+    return out
+
+
+def unavailable_reasons(profiles: Iterable[Profile], partitions: Mapping[str, list[dict[str, int]]]) -> dict[str, str]:
+    """Why each profile this cluster cannot give would be refused by Slurm, said before anything is submitted:
+    its partition does not exist, or no node of it holds the GPUs (of the type) the profile asks for per node."""
+    out = {}
+    for p in profiles:
+        groups = partitions.get(p.partition)
+        if groups is None:
+            out[p.name] = f"its partition {p.partition!r} does not exist"
+        elif p.gpus_per_node and not any(
+                (g.get(p.gpu_type, 0) if p.gpu_type else sum(g.values())) >= p.gpus_per_node for g in groups):
+            kind = f" {p.gpu_type}" if p.gpu_type else ""
+            out[p.name] = (f"no node of partition {p.partition!r} has {p.gpus_per_node}{kind} GPU"
+                           f"{'s' if p.gpus_per_node > 1 else ''}")
+    return out
+
+
+def _reason(unavailable: Iterable[str] | Mapping[str, str], profile: Profile) -> str:
+    if isinstance(unavailable, Mapping) and unavailable.get(profile.name):
+        return str(unavailable[profile.name])
+    return f"its partition {profile.partition!r} does not exist"
+
+
 MIN_WALLTIME_S = 60
 MAX_WALLTIME_S = 31 * 24 * 3600  # no profile may ask more; Slurm reads 0 (and INFINITE) as no limit at all
 _WALLTIME_FORMS = "give minutes (e.g. 90), H:MM:SS (e.g. 1:30:00) or D-HH:MM:SS"
@@ -163,9 +205,11 @@ def _single(value: Any) -> Any:
 
 
 def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[Profile], default_profile: str = "",
-                    unavailable: Iterable[str] = ()) -> JobRequest:
-    """The JobRequest for a student's user options, or OptionError saying what is not allowed."""
+                    unavailable: Iterable[str] | Mapping[str, str] = ()) -> JobRequest:
+    """The JobRequest for a student's user options, or OptionError saying what is not allowed. `unavailable`: the
+    profiles this cluster cannot give, with why (`unavailable_reasons`) or as bare names (a missing partition)."""
     profiles = {p.name: p for p in profiles}
+    unavailable = unavailable if isinstance(unavailable, Mapping) else set(unavailable)
     options = dict(user_options or {})
     if len(repr(options)) > MAX_OPTIONS_CHARS:
         raise OptionError(f"the options are {len(repr(options))} characters long; a server takes a 'profile' and "
@@ -178,9 +222,9 @@ def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[P
     name = _single(options.get("profile")) or default_profile or next(iter(profiles), "")
     if not isinstance(name, str) or name not in profiles:
         raise OptionError(f"profile {_show(name)} does not exist; choose one of {sorted(profiles)}")
-    if name in set(unavailable):
-        raise OptionError(f"profile {name!r} is not available on this cluster (its partition "
-                          f"{profiles[name].partition!r} does not exist); choose another")
+    if name in unavailable:
+        raise OptionError(f"profile {name!r} is not available on this cluster ({_reason(unavailable, profiles[name])})"
+                          "; choose another")
     profile = profiles[name]
     walltime = _single(options.get("walltime"))
     seconds = profile.max_seconds if walltime in (None, "") else parse_walltime(walltime)
@@ -201,9 +245,11 @@ def options_from_form(formdata: Mapping[str, list[str]]) -> dict:
     return out
 
 
-def options_form_html(profiles: Iterable[Profile], default_profile: str = "", unavailable: Iterable[str] = ()) -> str:
-    """The spawn form: one radio button per profile, and a walltime choice within the profile's limit."""
-    unavailable = set(unavailable)
+def options_form_html(profiles: Iterable[Profile], default_profile: str = "",
+                      unavailable: Iterable[str] | Mapping[str, str] = ()) -> str:
+    """The spawn form: one radio button per profile (one this cluster cannot give disabled, with why), and a
+    walltime choice within the profile's limit."""
+    unavailable = unavailable if isinstance(unavailable, Mapping) else set(unavailable)
     profiles = list(profiles)
     default = default_profile or (profiles[0].name if profiles else "")
     rows = []
@@ -211,7 +257,7 @@ def options_form_html(profiles: Iterable[Profile], default_profile: str = "", un
         esc = html.escape
         off = p.name in unavailable
         checked = " checked" if p.name == default and not off else ""
-        note = " (not available on this cluster)" if off else ""
+        note = f" (not available on this cluster: {_reason(unavailable, p)})" if off else ""
         rows.append(
             f'<div class="radio"><label><input type="radio" name="profile" value="{esc(p.name)}"{checked}'
             f'{" disabled" if off else ""}> <strong>{esc(p.display_name)}</strong>{esc(note)}'

@@ -34,7 +34,8 @@ from ..paths import read_beneath
 from .api import install_port_handler
 from .batch import default_template_path, render_batch_script
 from .course_spawner import CourseSpawner
-from .options import OptionError, options_form_html, options_from_form, profiles_from_settings, resolve_options
+from .options import (OptionError, options_form_html, options_from_form, partition_gpus, profiles_from_settings,
+                      resolve_options, unavailable_reasons)
 
 install_port_handler()
 
@@ -60,7 +61,7 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
                               "(scalelab.hub.singleuser).").tag(config=True)
     log_tail_lines = 25
 
-    _partitions_cache: tuple[float, set[str] | None] = (0.0, None)
+    _partitions_cache: tuple[float, dict[str, list[dict[str, int]]] | None] = (0.0, None)
 
     @default("exec_prefix")
     def _exec_prefix_default(self):
@@ -96,16 +97,22 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         """The profiles as scalelab.hub.options.Profile objects."""
         return profiles_from_settings({"profiles": self.profiles})
 
-    async def unavailable_profiles(self) -> set[str]:
-        """Names of profiles whose partition this cluster does not have (sinfo, cached for a minute)."""
+    async def unavailable_profiles(self) -> dict[str, str]:
+        """The profiles this cluster cannot give, each with why (`options.unavailable_reasons`): a partition it does
+        not have, or no node there with the GPUs asked for. sinfo runs as the hub, not as the student: at a first
+        start the course account does not exist yet, and run through `exec_prefix` as that account sinfo failed,
+        so every profile looked available and a GPU profile the cluster lacks went on to a failed job. Cached for a
+        minute; when sinfo itself fails (Slurm down), nothing is marked and sbatch's refusal says why."""
         stamp, parts = CourseSlurmSpawner._partitions_cache
         if parts is None or time.monotonic() - stamp > 60:
-            rc, out, _ = await self._slurm([self._bin("sinfo"), "-h", "-o", "%R"], timeout=20)
-            parts = set(out.split()) if rc == 0 else None
+            rc, out, err = await self._slurm([self._bin("sinfo"), "-h", "-o", "%R|%G"], timeout=20, as_student=False)
+            parts = partition_gpus(out) if rc == 0 else None
+            if parts is None:
+                self.log.warning("sinfo failed (exit %s): %s; every profile is offered", rc, err[:300])
             CourseSlurmSpawner._partitions_cache = (time.monotonic(), parts)
         if not parts:
-            return set()
-        return {p.name for p in self.course_profiles() if p.partition not in parts}
+            return {}
+        return unavailable_reasons(self.course_profiles(), parts)
 
     @staticmethod
     async def _render_form(spawner):
@@ -135,11 +142,13 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
             env["SLURM_CONF"] = self.slurm_conf
         return env
 
-    async def _slurm(self, argv, input=None, env=None, timeout=60.0):
-        """Run a Slurm command (argv list); return (returncode, stdout, stderr); never raises for exit codes."""
+    async def _slurm(self, argv, input=None, env=None, timeout=60.0, as_student=True):
+        """Run a Slurm command (argv list) as the student (through `exec_prefix`), or with `as_student=False` as the
+        hub (what the cluster offers, which no account's existence may change); return (returncode, stdout, stderr);
+        never raises for exit codes."""
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._prefix(), *argv, env=env or self.slurm_env(), stdin=asyncio.subprocess.PIPE,
+                *(self._prefix() if as_student else ()), *argv, env=env or self.slurm_env(), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         except OSError as e:
             return 127, "", f"{argv[0]}: {e}"
