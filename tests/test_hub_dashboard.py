@@ -164,3 +164,48 @@ def test_a_job_named_after_a_classmate_is_not_shown_as_their_server(tmp_path, mo
     assert slurm_jobs(cfg) == {"bob": {"job": "101", "state": "running", "nodes": "node1"}}
     cfg["servers"]["run_as"] = "hub-account"  # the hub submits every server as itself
     assert slurm_jobs(cfg) == {"dee": {"job": "103", "state": "pending", "nodes": ""}}
+
+
+def test_a_large_saved_notebook_costs_the_page_neither_memory_nor_time_and_the_rest_is_shown(course, monkeypatch):
+    # One student's saved notebook was read whole (up to 64 MiB) and parsed at every page load: a few MiB of
+    # `[[],[],...]` parse into gigabytes of objects and tens of seconds, for every instructor's load. Now a notebook
+    # over the size cap is not read and one with more JSON values than the item cap is not parsed: that student's
+    # lab shows "too large", every other cell is filled in.
+    import tracemalloc
+    from scalelab.hub import dashboard
+    tmp, cfg = course
+    lab = tmp / "labs" / "90_fixture"
+    for name in ("ann", "huge", "dense"):
+        (tmp / "homes" / name / "labs" / "90_fixture").mkdir(parents=True)
+    import random
+    rng = random.Random(0)
+    mean = sum(rng.gauss(3.0, 1.0) for _ in range(1000)) / 1000
+    ok = json.dumps(_notebook_with_records(n=1000, seed=0, mean=mean))
+    (tmp / "homes" / "ann" / "labs" / "90_fixture" / "lab.ipynb").write_text(ok)
+    big = _notebook_with_records(n=1000, seed=0)
+    big["metadata"]["padding"] = "x" * 4096  # over the (patched) size cap: cheap to exceed
+    (tmp / "homes" / "huge" / "labs" / "90_fixture" / "lab.ipynb").write_text(json.dumps(big))
+    # a real one: 12 MiB of empty lists, under the real size cap; parsed, it is about 4 million objects
+    dense = tmp / "homes" / "dense" / "labs" / "90_fixture" / "lab.ipynb"
+    with open(dense, "w") as f:
+        f.write(ok[:-1] + ', "padding": [' + "[]," * (4 * 2**20) + "[]]}")
+    assert dense.stat().st_size > 12 * 2**20 and json.loads(ok)  # the control file is a notebook
+    monkeypatch.setattr(dashboard, "MAX_NOTEBOOK_BYTES", 4096)
+    assert dashboard.lab_progress(tmp / "homes" / "huge", "labs", lab)["state"] == "too large"
+    monkeypatch.setattr(dashboard, "MAX_NOTEBOOK_BYTES", 16 * 2**20)  # the real cap: the dense file is under it
+    tracemalloc.start()
+    try:
+        got = dashboard.lab_progress(tmp / "homes" / "dense", "labs", lab)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got["state"] == "too large" and got["bytes"] == dense.stat().st_size, got
+    assert peak < 3 * dense.stat().st_size, f"{peak / 2**20:.0f} MiB to refuse a {dense.stat().st_size >> 20} MiB file"
+    monkeypatch.setattr(dashboard, "MAX_NOTEBOOK_BYTES", 4096)
+    users = [{"name": n, "servers": {}} for n in ("ann", "dense", "huge")]
+    snap = class_snapshot(cfg, users)
+    progress = {s["name"]: s["progress"]["90_fixture"] for s in snap["students"]}
+    assert progress["huge"]["state"] == progress["dense"]["state"] == "too large"
+    assert (progress["ann"]["state"], progress["ann"]["passed"]) == ("in progress", 1)  # the control: read
+    page = render_page(snap)
+    assert page.count('class="too-large"') == 2 and "MiB: not read" in page

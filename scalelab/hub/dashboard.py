@@ -12,7 +12,10 @@ token may list users and read their servers, nothing else (`hub.config.DASHBOARD
 Progress is what SelfCheck would show the student: the lab's *public* checks run on the records saved in the
 student's copy of the lab (`<home>/<labs.dest>/<lab>/lab.ipynb`) and the evidence of the runs beside it. Homes are
 read as untrusted data (no symbolic link followed anywhere below the home, regular files only, size limits), and
-results are cached by file size and time, so a page load re-reads only what changed.
+results are cached by file size and time, so a page load re-reads only what changed. What one student's home may
+cost the page is bounded: a notebook over MAX_NOTEBOOK_BYTES is not read, and one of more than MAX_NOTEBOOK_ITEMS
+JSON values (counted in its bytes before parsing: a few MiB of `[[],[],...]` parse into gigabytes of objects) is
+not parsed; either shows as "too large" for that student and lab, and every other cell of the page is filled in.
 """
 from __future__ import annotations
 
@@ -31,7 +34,12 @@ from .provision import resolve_source
 from .settings import load_settings_from_env, student_home
 
 SERVICE = "dashboard"
-MAX_NOTEBOOK_BYTES = 64 * 2**20
+MAX_NOTEBOOK_BYTES = 16 * 2**20
+"""Largest saved notebook the dashboard reads (the course's executed labs are under 0.5 MiB with their plots)."""
+MAX_NOTEBOOK_ITEMS = 1_000_000
+"""Most JSON values ('[', '{', ',' and ':' counted in the bytes, strings' contents included: an over-count) a notebook
+may have to be parsed; the labs' hold a few thousand, and a printed list of 100 000 numbers 100 000."""
+TOO_LARGE = "too large"
 _CACHE: dict[tuple, dict] = {}
 
 
@@ -52,8 +60,18 @@ def lab_progress(home: Path, labs_dest: str, lab_dir: Path) -> dict:
     if key in _CACHE:
         return _CACHE[key]
     checks = lab_checks(lab_dir, include_hidden=False)
+    too_large = {"state": TOO_LARGE, "passed": 0, "failed": 0, "missing": 0, "total": len(checks),
+                 "bytes": info.st_size}
+    if info.st_size > MAX_NOTEBOOK_BYTES:
+        _CACHE[key] = too_large
+        return too_large
     try:
-        nb = json.loads(read_beneath(home, rel / NOTEBOOK, MAX_NOTEBOOK_BYTES))
+        data = read_beneath(home, rel / NOTEBOOK, MAX_NOTEBOOK_BYTES)
+        if sum(data.count(c) for c in (b"[", b"{", b",", b":")) > MAX_NOTEBOOK_ITEMS:
+            _CACHE[key] = too_large
+            return too_large
+        nb = json.loads(data)
+        del data
         records, _ = tolerant_records(nb)
     except (UntrustedFileError, ValueError, RecursionError, TypeError, AttributeError):
         return {"state": "unreadable", "passed": 0, "failed": 0, "missing": 0, "total": len(checks)}
@@ -74,13 +92,18 @@ def lab_progress(home: Path, labs_dest: str, lab_dir: Path) -> dict:
 
 
 def _lstat_beneath(home: Path, rel: Path) -> os.stat_result:
-    """lstat of home/rel, refusing a symbolic link on the way (a student's link leads nowhere here)."""
-    path = home
-    for part in rel.parts:
-        path = path / part
-        if path.is_symlink():
-            raise OSError(f"{path} is a symbolic link")
-    return os.stat(path, follow_symlinks=False)
+    """lstat of home/rel, never through a symbolic link on the way (each folder opened with O_NOFOLLOW from the one
+    before, so a link swapped in meanwhile is not followed either); a student's link leads nowhere here."""
+    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in rel.parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        info = os.stat(rel.parts[-1], dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+    return info  # a FIFO or folder in the notebook's place: read_beneath refuses it (unreadable)
 
 
 def grades_for(grades_root: str, labs: list[str], name: str) -> dict[str, Any]:
@@ -150,7 +173,8 @@ def class_snapshot(cfg: dict, users: list[dict]) -> dict:
 
 _STYLE = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5rem;color:#222}table{border-collapse:collapse}
 td,th{border-bottom:1px solid #ddd;padding:.3rem .5rem;text-align:left}.done{color:#176b2c;font-weight:600}
-.in.progress,.in-progress{color:#8a5a00}.not-started{color:#888}.unreadable{color:#a11}.ready{color:#176b2c}"""
+.in.progress,.in-progress{color:#8a5a00}.not-started{color:#888}.unreadable,.too-large{color:#a11}
+.ready{color:#176b2c}"""
 
 
 def render_page(snap: dict) -> str:
@@ -163,7 +187,10 @@ def render_page(snap: dict) -> str:
         for lab in snap["labs"]:
             p = s["progress"].get(lab, {})
             grade = s["grades"].get(lab)
-            text = f"{p.get('passed', 0)}/{p.get('total', 0)} checks" if p.get("total") else e(p.get("state", ""))
+            text = (f"{p.get('passed', 0)}/{p.get('total', 0)} checks" if p.get("total") and
+                    p.get("state") not in (TOO_LARGE, "unreadable") else e(p.get("state", "")))
+            if p.get("state") == TOO_LARGE:
+                text += f" ({p.get('bytes', 0) / 2**20:.0f} MiB: not read)"
             if grade is not None:
                 text += f" · graded {grade:g} %"
             cls = p.get("state", "").replace(" ", "-")
