@@ -67,7 +67,7 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(lab_gradi
     (lambda r: r["slices"]["attempts"][-1].update(start_step=3), "attempts_resume_where_the_last_stopped"),
     (lambda r: r["slices"].update(identical=False), "chain_of_attempts_finishes_identically"),
     (lambda r: r["kill_test"].update(save_ok=False, save_problems=["x"]), "own_save_survives_a_kill"),
-    (lambda r: r["kill_test"].update(resume_ok=False, resume_problems=["x"]), "own_restore_resumes_exactly"),
+    (lambda r: r["kill_test"].update(restore_ok=False, restore_problems=["x"]), "own_restore_resumes_exactly"),
     (lambda r: r["kill_test"].update(run_dir=r["keep_run_dir"]), "kill_leaves_no_partial_checkpoint"),
     (lambda r: r["kill_test"].update(restore_ok=False), "restore_loads_only_intact_checkpoints"),
     (lambda r: r["kill_test"].update(resume_ok=False), "resumed_after_the_kill_equals_the_whole_run"),

@@ -32,10 +32,11 @@ def own_save_survives_a_kill(r):
 
 @check(points=2, needs_run=True)
 def own_restore_resumes_exactly(r):
-    """Exercise 3: your restore skipped the corrupted and the half-written checkpoints, and both resumed runs (after
-    the kill, and from the planted folder) computed the uninterrupted run's losses and final state bit for bit."""
+    """Exercise 3: in the planted folder your restore skipped the corrupted and the half-written checkpoints, loaded
+    the newest intact one, and the run it resumed computed the uninterrupted run's losses and final state bit for bit
+    (the resume after the kill, which needs your save too, is a hidden check)."""
     k = r["kill_test"]
-    assert k["restore_ok"] and k["resume_ok"], "; ".join(k["restore_problems"] + k["resume_problems"])
+    assert k["restore_ok"], "; ".join(k["restore_problems"])
 
 
 @check(points=1, needs_run=True)
