@@ -59,6 +59,7 @@ def throughput_is_the_sum_of_ranks(r):
 @check(points=1, needs_run=True)
 def ranks_trained_on_their_own_shards(r):
     """In the port, ranks saw different data (different losses), the same under both controllers."""
+    assert {"horovodrun", "mpirun"} <= set(r["port"]), f"the port ran under {sorted(r['port'])} only"
     gloo, mpi = r["port"]["horovodrun"]["ranks"], r["port"]["mpirun"]["ranks"]
     assert gloo[0]["losses"] != gloo[1]["losses"]
     assert [x["losses"] for x in gloo] == [x["losses"] for x in mpi], "same port, same data: same losses"
@@ -103,7 +104,7 @@ def _read_json(work, path):
 def _port_files(r) -> dict:
     """{launcher: the rows the port's ranks wrote into their pool's folder}, each checked equal to the record."""
     work, found = _workdir(r), {}
-    assert set(r["port"]) == set(CONTROLLERS), f"the port ran under {sorted(r['port'])}, not horovodrun and mpirun"
+    assert r["port"] and set(r["port"]) <= set(CONTROLLERS), f"the port ran under {sorted(r['port'])}"
     for launcher, x in r["port"].items():
         rows = [_read_json(work, f"{x['run_dir']}/result-0-{rank}.json") for rank in range(len(x["ranks"]))]
         assert rows == x["ranks"], f"{launcher}: the recorded port is not what its ranks wrote"
