@@ -12,8 +12,8 @@ import pytest
 from scalelab.course.execute import execute_notebook
 from scalelab.grade.evidence import run_evidence
 
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise, grade,
-                      grading_parameters)
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise,
+                      assert_wrong_code_loses, grade, grading_parameters)
 
 LAB = ROOT / "labs" / "08_resilience"
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def reference(lab_gradings):
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
-    assert_full_marks_within(LAB, reference, 280)
+    assert_full_marks_within(LAB, reference, 380)
 
 
 def test_reference_numbers_tell_the_lab_story(reference):
@@ -35,6 +35,13 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert r["crash"]["failed_rank"] == 1 and r["hang"]["failed_rank"] == 0  # a hang is blamed on the waiter
     assert r["hang"]["detect_s"] >= r["lab08_params"]["hang_timeout_s"] * 0.9 > r["crash"]["detect_s"]
     assert r["preempt"]["status"] == "preempted" and r["max_param_diff"] == 0.0
+    assert r["preempt"]["preempted"] == {"0": r["preempt"]["step"], "1": r["preempt"]["step"]}  # the student's vote
+    assert "my_preempt.py" in r["preempt"]["code"]  # the ranks imported the student's handler
+    s = r["interval_runs"]  # real runs with Poisson faults: the measured optimum near Young's, as Daly predicts
+    assert s["young_s"] / 3 <= s["best_interval_s"] <= 3 * s["young_s"]
+    best = next(row for row in s["rows"] if row["interval_s"] == s["best_interval_s"])
+    assert abs(best["fraction"] - best["predicted"]) <= 0.15 and 0.4 < best["fraction"] < 0.9
+    assert s["rows"][-1]["fraction"] < best["fraction"] and s["rows"][0]["fraction"] < best["fraction"]
     assert r["elastic"]["identical"] is True and r["elastic"]["start_steps"] == [0, 10]
     assert r["forward"]["world_size"] == 1 and r["forward"]["lr_factor"] == 0.5
     assert r["recovery_speedup"] > 5  # new processes vs re-forming a group in place
@@ -46,13 +53,29 @@ def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(lab_gradi
     assert_stops_at_first_exercise(lab_gradings, LAB, recorded="hang", not_yet="suspect", share=0.2)
 
 
+def test_wrong_code_loses_the_points_of_its_exercises(lab_gradings):
+    assert_wrong_code_loses(lab_gradings, LAB, {
+        "useful_work_is_accounted_from_the_logs": "an accounting that counts the work a fault threw away as useful",
+        "handler_stopped_every_rank_after_one_step": "a handler where each rank stops on its own signal, no vote",
+        "preemption_saved_and_left_cleanly": "a handler where each rank stops on its own signal, no vote",
+    })
+
+
 @pytest.mark.parametrize("forge, check_name", [
     (lambda r: r.update(suspect=0), "hung_rank_found"),
     (lambda r: r["hang"].update(detect_s=0.01), "hang_is_noticed_after_the_timeout"),
     (lambda r: r.update(young_s=r["young_s"] * 1.1), "young_interval_computed"),
     (lambda r: r.update(ckpt_s=r["ckpt_s"] / 3, young_s=(2 * r["ckpt_s"] / 3 * r["lab08_params"]["mtbf_s"]) ** .5),
      "checkpoint_cost_is_the_runs"),
-    (lambda r: r["sweep"]["points"][0].update(waste_s=0.0), "sweep_follows_from_its_inputs"),
+    (lambda r: r["interval_runs"]["rows"][1].update(fraction=r["interval_runs"]["rows"][1]["fraction"] + 0.05),
+     "useful_work_is_accounted_from_the_logs"),
+    (lambda r: r["interval_runs"]["rows"][1].update(runs=r["interval_runs"]["rows"][0]["runs"]),
+     "useful_work_is_accounted_from_the_logs"),
+    (lambda r: r["interval_runs"].update(rows=r["interval_runs"]["rows"][1:-1]), "measured_optimum_is_near_young"),
+    (lambda r: r["lab08_params"].update(sweep_mtbf_s=r["lab08_params"]["sweep_mtbf_s"] * 100),
+     "measured_optimum_is_near_young"),
+    (lambda r: r["preempt"]["preempted"].update({"1": r["preempt"]["step"] + 1}), "preemption_saved_and_left_cleanly"),
+    (lambda r: r["preempt"].update(run_dir=r["elastic"]["run_dir"]), "handler_stopped_every_rank_after_one_step"),
     (lambda r: r.update(max_param_diff=1e-7), "preempted_resume_is_exact"),
     (lambda r: r["preempt"].update(step=r["preempt"]["step"] + 1, start_step=r["preempt"]["step"] + 1),
      "preempted_run_is_the_engine_run"),

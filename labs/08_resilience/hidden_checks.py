@@ -1,11 +1,154 @@
 """Lab 08 hidden checks: the engine runs against their event files; answers recomputed from other records.
 
 The reference, preempted, elastic and forward-recovery runs are held against their event files (checkpoints and
-their cost, launches and resume steps, steps reached); the interval sweep is recomputed from the recorded inputs.
-The cluster sections (use_slurm, use_nodes) count only where they ran: the grader's sandbox has no cluster.
+their cost, launches and resume steps, steps reached); the preempted run's per-rank events show where each rank
+stopped and that it ran the submitted my_preempt.py; the interval runs' logs (faults.jsonl) are accounted again
+here and hold the measured optimum against Young's and Daly's. The cluster sections (use_slurm, use_nodes) count
+only where they ran: the grader's sandbox has no cluster.
 """
-from scalelab.experiments.resilience import interval_sweep
+import hashlib
+import json
+import math
+
+from scalelab.experiments.interval_runs import costs, predicted_fraction
+from scalelab.experiments.profiling import read_run_file
 from scalelab.grade.checks import check, close, evidence, partial
+from scalelab.grade.evidence import RUNS, WORKDIR
+from scalelab.grade.untrusted import UntrustedFileError, read_beneath
+
+
+def _read_jsonl(r, path: str) -> list[dict]:
+    """A JSON-lines file the run wrote, re-read from the working copy (as data that may be hostile)."""
+    r[RUNS]  # noqa: B018 - absent outside the grader: the check ends as missing
+    try:
+        events = [json.loads(line) for line in read_run_file(r[WORKDIR], path).splitlines() if line.strip()]
+    except Exception as e:  # missing, a link, too big, not JSON: all the student's files
+        raise AssertionError(f"{path} could not be read ({type(e).__name__}: {e})") from None
+    assert events and all(isinstance(e, dict) and isinstance(e.get("t"), (int, float)) for e in events), \
+        f"{path}: not a run's log"
+    return events
+
+
+def _accounted(events: list[dict]) -> dict:
+    """The grader's own accounting of a faulty run's log (the reference of exercise 3)."""
+    useful = lost = checkpoint = restart = unsaved = 0.0
+    fault_t = None
+    for e in events:
+        if e["type"] == "step":
+            unsaved += e["step_s"]
+        elif e["type"] == "checkpoint":
+            useful, unsaved, checkpoint = useful + unsaved, 0.0, checkpoint + e["blocked_s"]
+        elif e["type"] == "fault":
+            lost, unsaved = lost + unsaved, 0.0
+            fault_t = e["t"] if fault_t is None else fault_t
+        elif e["type"] == "start" and fault_t is not None:
+            restart, fault_t = restart + e["t"] - fault_t, None
+        elif e["type"] == "end":
+            useful, unsaved = useful + unsaved, 0.0
+    return {"wall_s": events[-1]["t"] - events[0]["t"], "useful_s": useful, "lost_s": lost,
+            "checkpoint_s": checkpoint, "restart_s": restart}
+
+
+def _plausible(events: list[dict], total_steps: int, path: str) -> None:
+    """A log that a faulty run can have written: steps one after another from each start, to the end."""
+    assert events[0]["type"] == "start" and events[-1] == {**events[-1], "type": "end", "total_steps": total_steps}, \
+        f"{path}: does not run from a start to the end of {total_steps} steps"
+    step, ts = 0, [e["t"] for e in events]
+    assert ts == sorted(ts), f"{path}: time runs backwards"
+    for e in events:
+        if e["type"] == "start":
+            step = e["start_step"]
+        elif e["type"] == "step":
+            assert e["step"] == step + 1 and 0 <= e["step_s"] < 60, f"{path}: step {e['step']} after step {step}"
+            step = e["step"]
+    assert step == total_steps, f"{path}: ends after step {step} of {total_steps}"
+
+
+def _interval_rows(r):
+    """Per recorded interval: (the row, the grader's accounting of each of its runs, their logs)."""
+    s = r["interval_runs"]
+    out = []
+    for row in s["rows"]:
+        logs = [_read_jsonl(r, f"{run}/faults.jsonl") for run in row["runs"]]
+        for run, events in zip(row["runs"], logs):
+            _plausible(events, s["total_steps"], run)
+        out.append((row, [_accounted(e) for e in logs], logs))
+    return out
+
+
+@check(points=3, needs_run=True)
+def useful_work_is_accounted_from_the_logs(r):
+    """Exercise 3: each interval's useful-work fraction is what the grader's own accounting of the runs' logs gives
+    (useful work: the steps a checkpoint or the end kept; the steps since the last checkpoint are lost at a fault),
+    to 1e-6."""
+    rows = _interval_rows(r)
+    assert any(e["type"] == "fault" for _, _, logs in rows for log in logs for e in log), "no fault struck the runs"
+    for row, parts, logs in rows:
+        again = sum(p["useful_s"] for p in parts) / sum(p["wall_s"] for p in parts)
+        assert row["fraction"] is not None and math.isclose(row["fraction"], again, rel_tol=1e-6), \
+            f"interval {row['interval_s']:.3g} s: your accounting gives a useful-work fraction of " \
+            f"{row['fraction']!r}, the runs' logs {again:.4f} (lost work {sum(p['lost_s'] for p in parts):.3f} s)"
+
+
+@check(points=2, needs_run=True)
+def measured_optimum_is_near_young(r):
+    """The interval with the most useful work (accounted by the grader from the runs' logs) is within a factor 3 of
+    Young's sqrt(2 C M) (C from the calibration run's log, M the parameter sweep_mtbf_s), and its useful-work
+    fraction within 0.15 of Daly's prediction for the runs' own C and R."""
+    s, m = r["interval_runs"], r["lab08_params"]["sweep_mtbf_s"]
+    ckpt_s = costs(_read_jsonl(r, s["calibration"]))["ckpt_s"]
+    assert ckpt_s > 0, "the calibration run's log shows no checkpoint"
+    young = math.sqrt(2 * ckpt_s * m)
+    rows = _interval_rows(r)
+    taus = sorted(row["interval_s"] for row, _, _ in rows)
+    assert taus[0] <= young / 4 and taus[-1] >= 4 * young, \
+        f"the sweep spans {taus[0]:.3g}-{taus[-1]:.3g} s: it must reach Young's {young:.3g} s / 4 and x 4"
+    measured = {row["interval_s"]: sum(p["useful_s"] for p in parts) / sum(p["wall_s"] for p in parts)
+                for row, parts, _ in rows}
+    best = max(measured, key=measured.get)
+    assert young / 3 * (1 - 1e-9) <= best <= 3 * young * (1 + 1e-9), \
+        f"the most useful work at {best:.3g} s, {best / young:.2g} x Young's"  # 1e-9: young * (1/3) vs young / 3
+    row, _, logs = next(x for x in rows if x[0]["interval_s"] == best)
+    c = [costs(log) for log in logs]
+    predicted = predicted_fraction(best, sum(x["ckpt_s"] for x in c) / len(c),
+                                   sum(x["restart_s"] for x in c) / len(c), m)
+    assert abs(measured[best] - predicted) <= 0.15, \
+        f"at {best:.3g} s the runs kept {measured[best]:.3f} of their time useful, Daly predicts {predicted:.3f}"
+
+
+@check(points=3, needs_run=True)
+def handler_stopped_every_rank_after_one_step(r):
+    """Exercise 4: the preempted run's own events: it ran the submitted my_preempt.py, every rank stopped after the
+    same step (rank 1 on its SIGTERM, the others through the vote), a checkpoint of that step is on record, and the
+    relaunch resumed from it."""
+    p, workers = r["preempt"], r["lab08_params"]["workers"]
+    assert p["status"] == "preempted" or not p.get("error"), f"the preempted run ended {p['status']}: {p['error']}"
+    first, later = {}, {}
+    for rank in range(workers):
+        events = _read_jsonl(r, f"{p['run_dir']}/events/rank-{rank}.jsonl")
+        starts = [i for i, e in enumerate(events) if e["type"] == "start"]
+        assert starts, f"rank {rank} never started"
+        first[rank] = events[:starts[1]] if len(starts) > 1 else events
+        later[rank] = events[starts[1]:] if len(starts) > 1 else []
+    start = first[0][0]
+    try:
+        sha = hashlib.sha256(read_beneath(r[WORKDIR], "my_preempt.py", 1 << 20)).hexdigest()
+    except UntrustedFileError as e:
+        raise AssertionError(f"my_preempt.py could not be read from the submission ({e})") from None
+    assert (start.get("code") or {}).get("my_preempt.py") == sha, \
+        f"the preempted run did not run the submitted my_preempt.py (its record of the code: {start.get('code')})"
+    stops = {rank: next((e for e in ev if e["type"] == "preempted"), None) for rank, ev in first.items()}
+    missing = [rank for rank, e in stops.items() if e is None]
+    assert not missing, f"rank(s) {missing} never stopped as preempted (a rank that stops alone leaves the others " \
+                        f"in a collective)"
+    steps = {rank: e["step"] for rank, e in stops.items()}
+    assert len(set(steps.values())) == 1, f"the ranks stopped after different steps: {steps}"
+    step = steps[0]
+    assert stops[1]["signal"] == "SIGTERM" and all(stops[k]["signal"] == "peer" for k in stops if k != 1), \
+        f"signals: {({k: e['signal'] for k, e in stops.items()})}"
+    assert any(e["type"] == "checkpoint" and e["step"] == step for e in first[0]), f"no checkpoint of step {step}"
+    again = [e for e in later[0] if e["type"] == "start"]
+    assert again and again[0]["start_step"] == step, f"the relaunch did not resume from step {step}"
 
 
 @check(points=2, needs_run=True)
@@ -38,17 +181,6 @@ def recoveries_are_the_engine_runs(r):
     found = evidence(r, f["run_dir"])
     assert found["launches"] == 1 and found["steps"] == steps, "the forward run restarted or stopped early"
     close(found["final_loss"], f["final_loss"], rel=1e-9, what="forward final loss")
-
-
-@check(points=1, needs_run=True)
-def sweep_follows_from_its_inputs(r):
-    """The recorded sweep is what the simulation gives for the recorded inputs."""
-    s, m = r["sweep"], r["lab08_params"]["mtbf_s"]
-    again = interval_sweep(s["work_s"], r["ckpt_s"], s["restart_s"], m, [p["interval_s"] for p in s["points"]],
-                           trials=s["trials"])
-    for mine, theirs in zip(s["points"], again):
-        close(theirs["waste_s"], mine["waste_s"], rel=1e-9, what=f"waste at {mine['interval_s']:.3g} s")
-    assert s["best_interval_s"] == min(again, key=lambda p: p["waste_s"])["interval_s"]
 
 
 @check(points=1, needs_run=True)

@@ -23,6 +23,8 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `planner`        (lab 07) dp x tp x pp on nodes x GPUs: memory, traffic, links (ParallelismPlanner's core).
 - `resilience`     (lab 08) faults and their detection, checkpoint cost and Young's interval against a simulated
                    failure trace, a signal to one rank (preemption), recovery times read off a run's events.
+- `interval_runs`  (lab 08) the checkpoint interval on real runs: faults at a Poisson rate, restarts from disk,
+                   the useful-work fraction (the student's accounting) against Daly's prediction.
 - `resilience_nodes` (lab 08) on the namespace cluster: a rank lost (restart from the node-local tier) vs a whole
                    node lost (restart on the survivor from the shared tier).
 - `elastic_horovod` (lab 08) a worker SIGKILLed under Horovod elastic: the survivors' rollback to the last

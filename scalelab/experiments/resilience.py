@@ -130,6 +130,70 @@ def signal_rank(run, rank: int, after_step: int, sig: int = signal.SIGTERM, time
     raise TimeoutError(f"rank {rank} did not reach step {after_step} (run {run.status}) within {timeout:g} s")
 
 
+def preempt_with_handler(spec, handler: str, rank: int = 1, after_step: int = 5, timeout: float = 300,
+                         say=print) -> dict:
+    """Preempt a run whose ranks vote with a handler of the student's own, and resume it.
+
+    `handler` is "module:Class" for a module beside the notebook: it is copied into the run's code/ folder (every
+    rank imports it from there, and the start event names it with its SHA-256) and named to the ranks by the
+    environment variable SCALELAB_PREEMPT_HANDLER (train/preempt.py); `spec` needs checkpoint.on_signal. Rank
+    `rank` gets SIGTERM once it has done `after_step` steps; the run should end `preempted`, every rank after the
+    same step with an emergency checkpoint of it, and a relaunch (the same handler) resume from there to the end.
+    Returns status (the signalled run's), step (rank 0's preempted step, or None), preempted (each rank's step),
+    signal_rank0, start_step (the relaunch's), resumed (its status), resumed_losses, code (file: sha256 of the
+    start events), run_dir and error (None, or what went wrong: "not implemented yet" for an unsolved exercise)."""
+    import shutil
+    from pathlib import Path
+
+    from ..launch import launch
+    from ..run.user_code import CODE_DIR
+    from ..train.preempt import HANDLER_ENV
+    module = handler.partition(":")[0]
+    src = Path(f"{module}.py")
+    if not src.is_file():
+        raise FileNotFoundError(f"{src.resolve()}: write the handler's module beside the notebook first")
+    run_dir = Path(spec.output_dir).resolve()
+    (run_dir / CODE_DIR).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, run_dir / CODE_DIR / src.name)  # before the ranks start: they import it from there
+    env = {**os.environ, HANDLER_ENV: handler}
+    out = {"status": None, "step": None, "preempted": {}, "signal_rank0": None, "start_step": None,
+           "resumed": None, "resumed_losses": None, "code": {}, "run_dir": str(run_dir), "error": None}
+
+    def errors(run) -> str | None:
+        errs = [e for e in run.events() if e["type"] == "error"]
+        if any(e["error"] == "NotImplementedError" for e in errs):
+            return f"not implemented yet: {handler} (exercise)"
+        return f"rank {errs[0]['rank']}: {errs[0]['error']}: {errs[0]['message'][:200]}" if errs else None
+
+    run = launch(spec, env=env)
+    try:
+        signal_rank(run, rank=rank, after_step=after_step, timeout=timeout)
+        first = run.wait(timeout=timeout)
+        out["status"] = first["status"]
+    except (RunFailed, TimeoutError) as e:
+        run.stop()
+        out.update(status=run.status, error=errors(run) or f"{type(e).__name__}: {str(e)[:300]}")
+    events = run.events()
+    stops = {e["rank"]: e for e in events if e["type"] == "preempted"}
+    out["preempted"] = {str(r): e["step"] for r, e in sorted(stops.items())}
+    out["code"] = next((e.get("code") or {} for e in events if e["type"] == "start"), {})
+    if 0 in stops:
+        out.update(step=stops[0]["step"], signal_rank0=stops[0]["signal"])
+    if out["status"] != "preempted":
+        say(f"the preempted run ended {out['status']}: {out['error'] or 'no preempted status'}")
+        return out
+    resumed_run = launch(spec, env=env)
+    try:
+        resumed = resumed_run.wait(timeout=timeout)
+        out.update(resumed=resumed["status"], resumed_losses=resumed["loss_curve"])
+    except (RunFailed, TimeoutError) as e:
+        resumed_run.stop()
+        out.update(resumed=resumed_run.status, error=errors(resumed_run) or f"{type(e).__name__}: {str(e)[:300]}")
+    start = [e for e in resumed_run.events() if e["type"] == "start" and e["rank"] == 0]
+    out["start_step"] = start[-1]["start_step"] if start else None
+    return out
+
+
 def slurm_preempt(spec, after_step: int, timeout: float = 600) -> dict:
     """Submit `spec` (launcher slurm, checkpoint.on_signal, slurm.requeue) and, once rank 0 has done `after_step`
     steps, signal the batch shell with SIGUSR1 — what `--signal=B:USR1@N` does N seconds before the time limit.
@@ -194,4 +258,5 @@ def timeline_rows(events: list[dict]) -> dict[int, dict]:
 
 
 __all__ = ["fault_run", "last_steps", "checkpoint_cost", "young_interval", "daly_interval", "failure_trace",
-           "simulate", "interval_sweep", "signal_rank", "slurm_preempt", "recovery", "timeline_rows", "read_manifest"]
+           "simulate", "interval_sweep", "signal_rank", "preempt_with_handler", "slurm_preempt", "recovery",
+           "timeline_rows", "read_manifest"]

@@ -1,0 +1,293 @@
+"""Lab 08: the checkpoint interval on real runs. A training loop checkpoints every `interval_s` seconds of work
+while faults strike at the times of a seeded Poisson process on the run's own clock; each fault throws the model
+away, and the restart rebuilds it and loads the newest checkpoint from disk. The student's accounting turns the
+run's event log into the useful-work fraction, set against Daly's prediction for the same C, R and M.
+
+    rows = sweep(out, intervals, account="my_interval:useful_work", mtbf_s=0.6, work_s=2.0)
+    predicted_fraction(interval_s, ckpt_s, restart_s, mtbf_s)   # Daly (2006): tau / (M e^(R/M) (e^((tau+C)/M) - 1))
+
+Everything in a run is real: the steps (an MLP's forward, backward and SGD update on its batches), each checkpoint
+(torch.save of the model, the optimizer and a ballast that stands for the rest of a large model's state, written to
+a temporary file, flushed and renamed into place), each restart (a new model and optimizer, torch.load of the
+newest checkpoint) and the wall clock. Only the faults are drawn: waiting for real ones at a rate where the interval
+matters would take days. The restart also waits `restart_s`, the stand-in for starting new processes (section 4 of
+the lab measures that: seconds).
+
+A fault is noticed at the end of the step, checkpoint or restart it struck (within a step's time); a checkpoint
+struck while being written is thrown away (its temporary file deleted: never renamed into place), and a restart
+struck starts over, as in Daly's model. The log (`<run dir>/faults.jsonl`, one JSON object a line, `t` in seconds
+on time.time()'s clock) holds events of types:
+
+- `start`       the run (or a restart) begins training at `start_step` (the restart's `restart_s` ends here)
+- `step`        `step` (1-based, the steps done), `step_s` (seconds the step took)
+- `checkpoint`  a checkpoint of `step` is on disk; `blocked_s` (seconds training waited for it)
+- `fault`       a fault noticed after step `step` (the model in memory is lost)
+- `end`         all `total_steps` steps are done
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+FEATURES, HIDDEN, CLASSES, BATCH = 64, 256, 10, 64
+LOG = "faults.jsonl"
+
+
+def predicted_fraction(interval_s: float, ckpt_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Daly's (2006) expected useful-work fraction for a checkpoint every `interval_s` of work, checkpoint cost C,
+    restart cost R and exponential failures with mean M (failures may strike checkpoints and restarts too):
+    tau / (M e^(R/M) (e^((tau + C)/M) - 1))."""
+    m = mtbf_s
+    return interval_s / (m * math.exp(restart_s / m) * math.expm1((interval_s + ckpt_s) / m))
+
+
+def daly_optimum(ckpt_s: float, restart_s: float, mtbf_s: float, lo: float = 1e-3, hi: float = 1e3) -> float:
+    """The interval that maximises `predicted_fraction` (a golden-section search on log tau)."""
+    f = lambda x: -predicted_fraction(math.exp(x), ckpt_s, restart_s, mtbf_s)  # noqa: E731
+    a, b, g = math.log(lo * mtbf_s), math.log(hi * mtbf_s), (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        c, d = b - g * (b - a), a + g * (b - a)
+        a, b = (a, d) if f(c) < f(d) else (c, b)
+    return math.exp((a + b) / 2)
+
+
+def _model(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _batch(seed: int, step: int):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)  # the same batch for a step, however often redone
+    x = torch.randn(BATCH, FEATURES, generator=g)
+    return x, (x[:, :CLASSES].argmax(1))
+
+
+class _Log:
+    def __init__(self, path: Path):
+        self._f = open(path, "w", buffering=1)
+
+    def emit(self, type_: str, **fields) -> dict:
+        record = {"type": type_, "t": time.time(), **fields}
+        self._f.write(json.dumps(record) + "\n")
+        return record
+
+    def close(self):
+        self._f.close()
+
+
+def faulty_run(run_dir, interval_s: float, *, total_steps: int, mtbf_s: float, restart_s: float, seed: int = 0,
+               ballast_mb: float = 8.0, step_s: float = 0.0, fsync: bool = False) -> dict:
+    """Train `total_steps` steps, checkpointing once `interval_s` seconds of work have passed since the last
+    checkpoint, while faults strike at seeded Poisson times (mean gap `mtbf_s`, seed `seed`: the same faults on
+    the run's clock, whatever the interval). `step_s` > 0 pads each step to at least that long (a steadier clock
+    on a busy machine); `fsync` forces each checkpoint to the disk before the rename (off: the page cache is the
+    fast tier, and a shared disk's flushes would make C wander). Returns {run_dir, log (the path of faults.jsonl),
+    faults, checkpoints, wall_s}."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt, tmp = run_dir / "checkpoint.pt", run_dir / "checkpoint.pt.tmp"
+    for p in (ckpt, tmp):
+        p.unlink(missing_ok=True)
+    ballast = torch.zeros(int(ballast_mb * 2**20 / 4))  # the rest of a large model's state
+    rng = random.Random(seed)
+    log = _Log(run_dir / LOG)
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: a busy machine's other threads do not stretch the steps
+    try:
+        return _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, mtbf_s, restart_s, seed,
+                      step_s, fsync)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, mtbf_s, restart_s, seed, step_s,
+           fsync):
+    next_fault = rng.expovariate(1 / mtbf_s)
+    faults = checkpoints = 0
+
+    def struck() -> bool:  # a fault since the last look? (the next one is drawn from the one that struck)
+        nonlocal next_fault, faults
+        if time.perf_counter() - t0 < next_fault:
+            return False
+        next_fault += rng.expovariate(1 / mtbf_s)
+        faults += 1
+        return True
+
+    model, opt = _model(seed)
+    step, work = 0, 0.0  # steps done (in memory), seconds of work since the last checkpoint
+    log.emit("start", start_step=0)
+    while step < total_steps:
+        s0 = time.perf_counter()
+        x, y = _batch(seed, step)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        while time.perf_counter() - s0 < step_s:
+            pass
+        step += 1
+        took = time.perf_counter() - s0
+        work += took
+        log.emit("step", step=step, step_s=took, loss=loss.item())
+        lost = struck()
+        if not lost and step < total_steps and work >= interval_s:
+            c0 = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "ballast": ballast}, tmp)
+            if fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            lost = struck()
+            if lost:  # struck while writing: never renamed into place
+                tmp.unlink(missing_ok=True)
+            else:
+                os.replace(tmp, ckpt)
+                checkpoints += 1
+                work = 0.0
+                log.emit("checkpoint", step=step, blocked_s=time.perf_counter() - c0)
+        while lost:  # the model in memory is gone: new objects, the newest checkpoint from disk
+            log.emit("fault", step=step)
+            r0 = time.perf_counter()
+            while time.perf_counter() - r0 < restart_s:
+                time.sleep(min(0.005, restart_s))
+            model, opt = _model(seed)
+            step, work = 0, 0.0
+            if ckpt.exists():
+                state = torch.load(ckpt, weights_only=True)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optimizer"])
+                step = state["step"]
+            lost = struck()
+            if not lost:
+                log.emit("start", start_step=step)
+    log.emit("end", total_steps=total_steps)
+    log.close()
+    for p in (ckpt, tmp):
+        p.unlink(missing_ok=True)
+    return {"run_dir": str(run_dir), "log": str(run_dir / LOG), "faults": faults, "checkpoints": checkpoints,
+            "wall_s": time.perf_counter() - t0}
+
+
+def calibrate(run_dir, checkpoints: int = 10, restart_s: float = 0.05, ballast_mb: float = 8.0) -> dict:
+    """C and R of these runs before any sweep: a run with no fault that checkpoints after every step (ckpt_s, the
+    mean blocked_s of its `checkpoints` checkpoints), and one restart timed as a fault's would be (restart_s: the
+    wait, a new model and optimizer, torch.load of the checkpoint). Returns {ckpt_s, restart_s, log}."""
+    run = faulty_run(run_dir, 0.0, total_steps=checkpoints + 1, mtbf_s=1e9, restart_s=restart_s, seed=0,
+                     ballast_mb=ballast_mb)
+    ckpt_s = costs(read_log(run["log"]))["ckpt_s"]
+    path = Path(run_dir) / "checkpoint.pt"
+    model, opt = _model(0)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 0,
+                "ballast": torch.zeros(int(ballast_mb * 2**20 / 4))}, path)
+    r0 = time.perf_counter()
+    time.sleep(restart_s)
+    model, opt = _model(0)
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    restart = time.perf_counter() - r0
+    path.unlink()
+    return {"ckpt_s": ckpt_s, "restart_s": restart, "log": run["log"]}
+
+
+def read_log(path) -> list[dict]:
+    """The events of a run's faults.jsonl."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def costs(events: list[dict]) -> dict:
+    """The run's measured C (mean blocked_s of its checkpoints), R (mean seconds from a fault to training again)
+    and mean step time: the inputs of the prediction."""
+    ckpts = [e["blocked_s"] for e in events if e["type"] == "checkpoint"]
+    steps = [e["step_s"] for e in events if e["type"] == "step"]
+    restarts, fault_t = [], None
+    for e in events:
+        if e["type"] == "fault" and fault_t is None:
+            fault_t = e["t"]
+        elif e["type"] == "start" and fault_t is not None:
+            restarts.append(e["t"] - fault_t)
+            fault_t = None
+    mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
+    return {"ckpt_s": mean(ckpts), "restart_s": mean(restarts), "step_s": mean(steps)}
+
+
+def load_function(ref, folder=None):
+    """The function "module:function" names, loaded afresh from `module`.py in `folder` (default: the working
+    folder), so a module the notebook has just rewritten (%%writefile) is the one used; a callable is returned as
+    it is."""
+    if callable(ref):
+        return ref
+    module, _, name = ref.partition(":")
+    path = Path(folder or os.getcwd()) / f"{module}.py"
+    spec = importlib.util.spec_from_file_location(f"_scalelab_user_{module}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.pop(spec.name, None)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+def sweep(out, intervals: list[float], account, *, mtbf_s: float, work_s: float, restart_s: float = 0.05,
+          trials: int = 1, ballast_mb: float = 8.0, step_s: float = 0.004, seed: int = 0, say=print) -> dict:
+    """One faulty run per interval and trial (trial k has the fault times of seed k, whatever the interval), each
+    accounted by `account(events) -> {useful_s, lost_s, checkpoint_s, restart_s, wall_s}` (the student's function,
+    or "module:function"). Returns {rows: per interval the measured fraction (useful_s / wall_s summed over the
+    trials), Daly's prediction for the runs' own C and R, faults; best_interval_s; error (None, or why the
+    accounting could not run: then the sweep stops there, and no row has a measurement)}."""
+    total_steps = max(1, round(work_s / step_s))
+    rows, error = [], None
+    try:
+        account = load_function(account)
+    except Exception as e:  # noqa: BLE001 - a module that does not load is the student's to fix
+        account, error = None, f"{type(e).__name__}: {e}"
+    for tau in intervals:
+        if error is not None:
+            break  # the accounting does not run: no more runs to account
+        runs, useful, wall, faults, measured = [], 0.0, 0.0, 0, []
+        for k in range(trials):
+            run = faulty_run(Path(out) / f"interval-{tau:.4f}-trial-{k}", tau, total_steps=total_steps,
+                             mtbf_s=mtbf_s, restart_s=restart_s, seed=seed + k, ballast_mb=ballast_mb, step_s=step_s)
+            events = read_log(run["log"])
+            c = costs(events)
+            measured.append(c)
+            faults += run["faults"]
+            runs.append(run["run_dir"])
+            if account is not None and error is None:
+                try:
+                    parts = account(events)
+                    useful += parts["useful_s"]
+                    wall += parts["wall_s"]
+                except NotImplementedError:
+                    error = "not implemented yet: useful_work (exercise)"
+                except Exception as e:  # noqa: BLE001 - the student's function failed: say how, go on
+                    error = f"{type(e).__name__}: {e}"
+        ckpt_s = sum(c["ckpt_s"] for c in measured) / len(measured)
+        rest = [c["restart_s"] for c in measured if c["restart_s"]]
+        restart = sum(rest) / len(rest) if rest else restart_s
+        row = {"interval_s": tau, "runs": runs, "faults": faults, "ckpt_s": ckpt_s, "restart_s": restart,
+               "predicted": predicted_fraction(tau, ckpt_s, restart, mtbf_s),
+               "fraction": useful / wall if error is None and wall else None}
+        rows.append(row)
+        if say:
+            got = f"{row['fraction']:.3f}" if row["fraction"] is not None else "  -  "
+            say(f"interval {tau:6.3f} s: {faults:2d} faults, useful-work fraction {got} measured, "
+                f"{row['predicted']:.3f} predicted (C {ckpt_s * 1e3:.1f} ms, R {restart * 1e3:.0f} ms)")
+    if error and say:
+        say(f"the accounting did not run: {error}")
+    best = max(rows, key=lambda r: r["fraction"])["interval_s"] if error is None else None
+    return {"rows": rows, "best_interval_s": best, "error": error, "mtbf_s": mtbf_s, "work_s": work_s,
+            "trials": trials, "total_steps": total_steps}
+
+
+__all__ = ["predicted_fraction", "daly_optimum", "faulty_run", "calibrate", "read_log", "costs", "load_function",
+           "sweep"]
