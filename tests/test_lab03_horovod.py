@@ -80,8 +80,8 @@ def _no_broadcast(r):
 
 
 def _other_choice(r):
-    best = r["fusion_choice"]
-    other = next(p for p in r["fusion_readings"] if (p["threshold_mb"], p["cycle_ms"]) != tuple(best.values()))
+    best = (r["fusion_choice"]["threshold_mb"], r["fusion_choice"]["cycle_ms"])
+    other = next(p for p in r["fusion_readings"] if (p["threshold_mb"], p["cycle_ms"]) != best)
     r["fusion_choice"].update(threshold_mb=other["threshold_mb"], cycle_ms=other["cycle_ms"])
 
 
