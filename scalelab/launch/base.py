@@ -103,12 +103,13 @@ class ProcessRun(Run):
                 pass
 
 
-def start_process(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+def start_process(cmd: list[str], env: dict, log_path: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start `cmd` in its own session (so a stop reaches all it starts), output appended to `log_path`; it gets
-    SIGTERM if this process dies (`dies_with_this_process`), so no launcher outlives a killed CLI or kernel."""
+    SIGTERM if this process dies (`dies_with_this_process`), so no launcher outlives a killed CLI or kernel.
+    `pass_fds`: descriptors the child inherits under the same numbers (rank 0's rendezvous socket)."""
     with open(log_path, "ab") as log:
         try:
-            return subprocess.Popen(dies_with_this_process(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            return subprocess.Popen(dies_with_this_process(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds)
         except FileNotFoundError as e:
             raise LaunchError(f"cannot start {cmd[0]}: {e.strerror}") from e

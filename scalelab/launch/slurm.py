@@ -46,6 +46,9 @@ def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
         "# rank 0's node hosts the rendezvous; the port is derived from the job id so concurrent jobs differ",
         'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        "# the run's rendezvous secret, made here on the node (not in this file): rank 0's store answers only the",
+        "# processes that prove it (scalelab.run.rendezvous); srun hands the job's environment to every rank",
+        "export SCALELAB_RDZV_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')",
         f"export OMP_NUM_THREADS={threads}",
         f"echo \"scalelab: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, {spec.world_size} ranks\"",
     ]

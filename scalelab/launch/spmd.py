@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 from ..errors import LaunchError, RunFailed, RunTimeout
-from ..run.procs import describe_exit, free_port, is_peer_failure, kill_processes, scrub_env
+from ..run.procs import describe_exit, is_peer_failure, kill_processes, scrub_env
 from ..paths import require_tool
 from .base import start_process
-from .local import rank_env
+from .local import start_ranks
 from .spmd_rank import write_atomic
 
 LAUNCHERS = ("local", "horovodrun", "mpirun")
@@ -176,10 +176,8 @@ def _rank_command(run_dir: Path) -> list[str]:
 
 def _start(launcher, world, run_dir, base, threads, extra_vars):
     cmd = _rank_command(run_dir)
-    if launcher == "local":
-        port = free_port()
-        return [start_process(cmd, rank_env(base, r, world, port, threads), run_dir / f"launcher-rank-{r}.log")
-                for r in range(world)]
+    if launcher == "local":  # a rendezvous of the pool's own: its port held for rank 0, and a secret
+        return start_ranks(cmd, base, world, threads, lambda r: run_dir / f"launcher-rank-{r}.log")
     if launcher == "horovodrun":
         exe = require_tool("horovodrun", LaunchError)
         full = [exe, "-np", str(world), "-H", f"localhost:{world}", "--gloo", "--network-interfaces", "lo", *cmd]

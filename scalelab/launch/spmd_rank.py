@@ -114,7 +114,11 @@ def _join_group(init: str, info) -> None:
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if init == "auto" else init
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=60))
+    from ..run.rendezvous import join_store
+    timeout = timedelta(seconds=60)
+    store = join_store(info.rank, info.world_size, timeout)  # the pool's own rendezvous; None: env:// as before
+    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout,
+                            **({"store": store} if store is not None else {}))
 
 
 def _leave_group():

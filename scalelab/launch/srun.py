@@ -22,6 +22,7 @@ from ..cluster.slurm import allocation, slurm_command, unreachable_nodes
 from ..errors import LaunchError
 from ..paths import require_tool
 from ..run.procs import DISTRIBUTED_PREFIXES, DISTRIBUTED_VARS
+from ..run.rendezvous import SECRET_VAR, new_secret
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
 
 # srun: "srun: error: node2: task 1: Exited with exit code 1"; Open MPI: "process rank 1 with PID"
@@ -137,6 +138,8 @@ def launch(spec, env: dict | None = None, python: str | None = None) -> SrunRun:
     env = step_env(env)
     env.update(MASTER_ADDR=first_node(alloc, env), MASTER_PORT=str(random.randint(20000, 39999)),
                OMP_NUM_THREADS=str(spec.world.threads_per_worker or threads_for(spec)))
+    if spec.strategy != "horovod":  # DDP's ranks meet at rank 0's own store, open only to holders of this secret
+        env[SECRET_VAR] = new_secret()
     env.setdefault("PYTHONPATH", "")
     cmd = step_command(spec, run_dir, python)
     (run_dir / "logs" / "launcher.log").write_text(f"# job {alloc['job_id']}: {shlex.join(cmd)}\n")

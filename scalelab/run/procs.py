@@ -140,7 +140,7 @@ def free_port() -> int:
 
 DISTRIBUTED_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "HOROVOD_", "TORCHELASTIC_")
 DISTRIBUTED_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "GROUP_RANK", "ROLE_RANK")
+                    "GROUP_RANK", "ROLE_RANK", "SCALELAB_RDZV_SECRET", "SCALELAB_RDZV_FD")
 
 
 def scrub_env(env: dict | None = None) -> dict:

@@ -99,13 +99,18 @@ class DDPStrategy:
         """How this rank waits for its last allreduce: spin, block, or none (1 rank: nothing to wait for)."""
 
     def setup(self) -> None:
-        """Join the process group (env:// rendezvous: MASTER_ADDR/MASTER_PORT set by the launcher)."""
+        """Join the process group at MASTER_ADDR/MASTER_PORT: through the run's own store where the launcher gave
+        the run a secret (scalelab.run.rendezvous: only the run's ranks can read or write it), else env:// (a
+        worker started by hand, torchrun's workers, mpirun's)."""
         if self.info.world_size > 1 and not dist.is_initialized():
+            from ..run.rendezvous import join_store
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             set_socket_interface()  # across nodes: the link towards MASTER_ADDR, found on this rank's own node
+            timeout = timedelta(seconds=self.spec.fault.detect_timeout_s)
+            store = join_store(self.info.rank, self.info.world_size, timeout)  # env:// gives its store this timeout too
             dist.init_process_group(self.backend, rank=self.info.rank, world_size=self.info.world_size,
-                                    timeout=timedelta(seconds=self.spec.fault.detect_timeout_s))
+                                    timeout=timeout, **({"store": store} if store is not None else {}))
 
     def wrap(self, model, optimizer):
         """DDP-wrap the model (broadcasts rank 0's parameters); the optimizer is unchanged."""
