@@ -203,8 +203,13 @@ class _Client:
             raise dist.DistStoreError(f"rendezvous store {self.host}:{self.port}: {reply['error']}")
         return reply
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        # torch calls it through a PrefixStore (dist.new_group): a Python store must define it, or c10d's trampoline
+        # fails with "Not implemented" (checkpoint.mode=sharded's gloo group did)
+        self._timeout = timeout
+
     def _timeout_s(self) -> float:
-        return self.timeout.total_seconds()
+        return self._timeout.total_seconds()
 
     def set(self, key, value):
         self._call(op="set", key=key, value=_enc(_b(value)))
@@ -318,7 +323,15 @@ def join_store(rank: int, world_size: int, timeout: timedelta, env=None):
         port = listener.getsockname()[1]
         StoreServer(listener, secret)
         host = "127.0.0.1"  # rank 0 reaches its own server on the loopback, whatever MASTER_ADDR names
-    return run_store_class()(host, port, secret, timeout)
+    store = run_store_class()(host, port, secret, timeout)
+    # c10d keeps only the C++ half of a Python store: once the Python object is collected its methods are gone, and
+    # the next group made on it (dist.new_group: checkpoint.mode=sharded's gloo group) fails with "Not implemented"
+    _LIVE_STORES.append(store)
+    return store
+
+
+_LIVE_STORES: list = []
+"""Every store this process joined, kept for the life of the process (see join_store)."""
 
 
 __all__ = ["SECRET_VAR", "FD_VAR", "new_secret", "hold_port", "StoreServer", "run_store_class", "RendezvousRefused",
