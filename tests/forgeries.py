@@ -199,6 +199,9 @@ record("compression", compressed)
 LAB06 = '''
 from scalelab.ckpt.retention import select
 every, workers = 4, 2
+record("kill_test", {"run_dir": "runs/lab06/kill", "code": {"my_ckpt.py": "0" * 64}, "kill_at": 12, "every": 4,
+                     "steps": 20, "killed_in_save": True, "save_ok": True, "restore_ok": True, "resume_ok": True,
+                     "save_problems": [], "restore_problems": [], "resume_problems": []})
 record("lab06_params", {"workers": workers, "every": every, "steps": 20, "modes": ["sync", "async", "sharded"],
                         "resume_steps": 16, "stop_after": 10, "slice_steps": 24})
 record("anatomy", {"files": ["step-4.pt", "step-8.pt.tmp"], "latest": "step-4.pt",
@@ -447,6 +450,12 @@ for fmt_name, step_s, data in (("files", 0.08, 0.75), ("shards", 0.02, 0.1)):
         fake_run(run_dir, losses=losses, batch=batch, step_s=step_s, data_fraction=data)
 record("engine_formats", engine)
 '''
+
+NOT_WRITTEN = {"06_checkpointing": {"kill_leaves_no_partial_checkpoint", "restore_loads_only_intact_checkpoints",
+                                     "resumed_after_the_kill_equals_the_whole_run"}}
+"""Hidden checks that judge files other than event files, which these forgeries do not write (lab 06's kill test:
+its processes' logs and the folders they left): they fail the forgery for want of those files. Those files have no
+clock to hold them to; a forger who wrote them consistently would pass them (docs/grading.md, "Forged records")."""
 
 FORGERIES = {"01_single_device": LAB01, "02_data_parallel": LAB02, "03_horovod": LAB03, "04_scaling": LAB04,
              "05_data_pipeline": LAB05, "06_checkpointing": LAB06}
