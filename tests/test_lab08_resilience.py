@@ -37,11 +37,11 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert r["preempt"]["status"] == "preempted" and r["max_param_diff"] == 0.0
     assert r["preempt"]["preempted"] == {"0": r["preempt"]["step"], "1": r["preempt"]["step"]}  # the student's vote
     assert "my_preempt.py" in r["preempt"]["code"]  # the ranks imported the student's handler
-    s = r["interval_runs"]  # real runs with Poisson faults: the measured optimum near Young's, as Daly predicts
-    assert s["young_s"] / 3 <= s["best_interval_s"] <= 3 * s["young_s"]
-    best = next(row for row in s["rows"] if row["interval_s"] == s["best_interval_s"])
-    assert abs(best["fraction"] - best["predicted"]) <= 0.15 and 0.4 < best["fraction"] < 0.9
-    assert s["rows"][-1]["fraction"] < best["fraction"] and s["rows"][0]["fraction"] < best["fraction"]
+    s = r["interval_runs"]  # real runs with Poisson faults: Young's interval near their optimum, as Daly predicts
+    near = min(s["rows"], key=lambda row: abs(row["interval_s"] / s["young_s"] - 1))
+    best = max(row["fraction"] for row in s["rows"])
+    assert near["fraction"] >= best - 0.15 and abs(near["fraction"] - near["predicted"]) <= 0.15
+    assert s["rows"][0]["fraction"] < near["fraction"]  # checkpointing 8 x too often costs more than it saves
     assert r["elastic"]["identical"] is True and r["elastic"]["start_steps"] == [0, 10]
     assert r["forward"]["world_size"] == 1 and r["forward"]["lr_factor"] == 0.5
     assert r["recovery_speedup"] > 5  # new processes vs re-forming a group in place

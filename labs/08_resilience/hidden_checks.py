@@ -92,9 +92,12 @@ def useful_work_is_accounted_from_the_logs(r):
 
 @check(points=2, needs_run=True)
 def measured_optimum_is_near_young(r):
-    """The interval with the most useful work (accounted by the grader from the runs' logs) is within a factor 3 of
-    Young's sqrt(2 C M) (C from the calibration run's log, M the parameter sweep_mtbf_s), and its useful-work
-    fraction within 0.15 of Daly's prediction for the runs' own C and R."""
+    """Young's interval sqrt(2 C M) (C from the calibration run's log, M the parameter sweep_mtbf_s) is near the
+    optimum of the runs (accounted by the grader from their logs): the sweep reaches Young's / 4 and x 4, the run
+    nearest Young's interval (within a factor 1.5) kept within 0.15 of the most useful-work fraction any interval
+    measured, and within 0.15 of Daly's prediction for the runs' own C and R. (Which interval comes out on top is
+    not asked: with a second of work per run, a long interval struck by two faults instead of five can win by luck;
+    a CI run on a loaded machine saw it at 5 x Young's.)"""
     s, m = r["interval_runs"], r["lab08_params"]["sweep_mtbf_s"]
     ckpt_s = costs(_read_jsonl(r, s["calibration"]))["ckpt_s"]
     assert ckpt_s > 0, "the calibration run's log shows no checkpoint"
@@ -105,15 +108,18 @@ def measured_optimum_is_near_young(r):
         f"the sweep spans {taus[0]:.3g}-{taus[-1]:.3g} s: it must reach Young's {young:.3g} s / 4 and x 4"
     measured = {row["interval_s"]: sum(p["useful_s"] for p in parts) / sum(p["wall_s"] for p in parts)
                 for row, parts, _ in rows}
-    best = max(measured, key=measured.get)
-    assert young / 3 * (1 - 1e-9) <= best <= 3 * young * (1 + 1e-9), \
-        f"the most useful work at {best:.3g} s, {best / young:.2g} x Young's"  # 1e-9: young * (1/3) vs young / 3
-    row, _, logs = next(x for x in rows if x[0]["interval_s"] == best)
+    near = min(measured, key=lambda tau: abs(math.log(tau / young)))
+    assert young / 1.5 <= near <= 1.5 * young, f"no interval of the sweep within 1.5 x of Young's {young:.3g} s"
+    best = max(measured.values())
+    assert measured[near] >= best - 0.15, \
+        f"at Young's interval ({near:.3g} s) the runs kept {measured[near]:.3f} of their time useful, the best " \
+        f"interval {best:.3f}: Young's interval is not near the optimum of these runs"
+    row, _, logs = next(x for x in rows if x[0]["interval_s"] == near)
     c = [costs(log) for log in logs]
-    predicted = predicted_fraction(best, sum(x["ckpt_s"] for x in c) / len(c),
+    predicted = predicted_fraction(near, sum(x["ckpt_s"] for x in c) / len(c),
                                    sum(x["restart_s"] for x in c) / len(c), m)
-    assert abs(measured[best] - predicted) <= 0.15, \
-        f"at {best:.3g} s the runs kept {measured[best]:.3f} of their time useful, Daly predicts {predicted:.3f}"
+    assert abs(measured[near] - predicted) <= 0.15, \
+        f"at {near:.3g} s the runs kept {measured[near]:.3f} of their time useful, Daly predicts {predicted:.3f}"
 
 
 @check(points=3, needs_run=True)
