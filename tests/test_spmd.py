@@ -31,6 +31,14 @@ def exit_on_1():
         os._exit(3)
     dist.barrier()
 
+def peer_error_before_the_exit():
+    # what a loaded machine shows: rank 1's socket closes (its peer sees the error) a moment before rank 1's
+    # process can be seen gone
+    if dist.get_rank() == 0:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+    time.sleep(1.0)
+    os._exit(3)
+
 def hang():
     time.sleep(600)
 
@@ -74,6 +82,7 @@ def test_init_none_leaves_the_process_group_to_the_function(targets):
 @pytest.mark.parametrize("target, words", [
     ("raise_on_1", ["rank 1 failed", "ValueError", "rank 1 is broken"]),
     ("exit_on_1", ["rank 1", "exit status 3"]),
+    ("peer_error_before_the_exit", ["rank 1", "exit status 3"]),
 ])
 def test_a_failing_rank_is_named_and_no_process_is_left(targets, target, words):
     run_dir = targets / "r"

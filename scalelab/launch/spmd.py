@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from ..errors import LaunchError, RunFailed, RunTimeout
-from ..run.procs import describe_exit, is_peer_failure, kill_processes, scrub_env
+from ..run.procs import PEER_GRACE_S, describe_exit, is_peer_failure, kill_processes, scrub_env
 from ..paths import require_tool
 from .base import start_process
 from .local import start_ranks
@@ -139,9 +139,14 @@ class SpmdPool:
         self._jobs += 1
         write_atomic(d / f"job-{i}.json", {"target": target, "kwargs": kwargs})
         deadline = time.monotonic() + timeout + (self.start_timeout if i == 0 else 0)
+        peer_seen = None
         try:
             while True:
                 failure = _first_failure(self.procs, self.world, d, i, per_rank=self.launcher == "local")
+                if failure and failure[2]:  # only "my peer went away": the rank that died may not be reaped yet
+                    peer_seen = peer_seen or time.monotonic()
+                    if time.monotonic() - peer_seen < PEER_GRACE_S:
+                        failure = None
                 if failure:
                     raise RunFailed(failure[1], rank=failure[0], run_dir=str(d))
                 if all((d / f"result-{i}-{r}.json").exists() for r in range(self.world)):
@@ -195,8 +200,9 @@ def _start(launcher, world, run_dir, base, threads, extra_vars):
 
 
 def _first_failure(procs, world, run_dir, job, per_rank):
-    """(rank, message) of the root cause, or None: a rank's own error first, then a rank that died without
-    reporting, and only then errors that ranks saw because a peer had died."""
+    """(rank, message, peer_only) of the root cause, or None: a rank's own error first, then a rank that died
+    without reporting, and only then errors that ranks saw because a peer had died (peer_only True: a socket
+    closes before its dying process can be waited for, so the caller gives the dead rank a moment to show)."""
     errors = []
     for r in range(world):
         path = run_dir / f"error-{job}-{r}.json"
@@ -206,7 +212,7 @@ def _first_failure(procs, world, run_dir, job, per_rank):
         e["peer_failure"] = e["peer_failure"] or is_peer_failure(e["message"])
     own = [e for e in errors if not e["peer_failure"]]
     if own:
-        return _describe_error(min(own, key=lambda e: e["t"]))
+        return (*_describe_error(min(own, key=lambda e: e["t"])), False)
     reported = {e["rank"] for e in errors}
     for i, p in enumerate(procs):
         code = p.poll()
@@ -215,9 +221,9 @@ def _first_failure(procs, world, run_dir, job, per_rank):
                 time.sleep(0.2)  # its own error file may land just after the exit
                 if any((run_dir / f"error-{job}-{r}.json").exists() for r in range(world)):
                     return _first_failure(procs, world, run_dir, job, per_rank)
-            return _describe_exit(i, code, run_dir, per_rank)
+            return (*_describe_exit(i, code, run_dir, per_rank), False)
     if errors:
-        return _describe_error(min(errors, key=lambda e: e["t"]))
+        return (*_describe_error(min(errors, key=lambda e: e["t"])), True)
     return None
 
 

@@ -22,7 +22,7 @@ import psutil
 from ..errors import RunFailed, RunTimeout
 from .events import EventReader
 from .metrics import summarize
-from .procs import alive, kill_processes
+from .procs import PEER_GRACE_S, alive, kill_processes
 
 ACTIVE = ("pending", "running")
 POLL_S = 0.2
@@ -44,6 +44,7 @@ class Run:
         self._rank_procs: dict[int, psutil.Process] = {}
         self._started = time.time()
         self._ended: float | None = None
+        self._peer_seen: float | None = None  # when a peer's connection error was first the only failure known
 
     # -- for subclasses ---------------------------------------------------------------------------
     def _backend_state(self) -> tuple[str, str | None, int | None]:
@@ -76,7 +77,12 @@ class Run:
         state, message, rank = self._backend_state()
         if failure is None and state == "failed" and rank is not None:
             failure = (message, rank)
-        failure = failure or (None if tolerant else self._first_error_event(primary=False))
+        if failure is None and not tolerant:
+            failure = self._first_error_event(primary=False)
+            if failure is not None and state != "failed":  # the socket of a dying rank closes before its
+                self._peer_seen = self._peer_seen or time.monotonic()  # process can be seen gone: wait for it
+                if time.monotonic() - self._peer_seen < PEER_GRACE_S:
+                    failure = None
         if failure is None and state == "failed":
             failure = (message or "the launcher reported a failure", rank)
         if failure is not None:

@@ -168,6 +168,7 @@ def redirect_output(path) -> None:
 PEER_FAILURE_PHRASES = ("Connection closed by peer", "Connection reset by peer", "Connection reset", "Broken pipe",
                         "Horovod has been shut down", "Socket Timeout", "Connection refused",
                         "NCCL communicator was aborted", "remote worker", "Read error")
+PEER_GRACE_S = 3.0  # how long only a peer's connection error waits for the rank that died to show itself
 PEER_FAILURE_TYPES = frozenset({"HorovodInternalError", "DistNetworkError", "DistBackendError"})
 
 
@@ -216,5 +217,5 @@ def kill_every_process_of(uid: int, gid: int | None = None, rounds: int = 50) ->
 
 
 __all__ = ["alive", "kill_processes", "dies_with_this_process", "exit_with_parent", "describe_exit", "free_port",
-           "scrub_env", "is_peer_failure", "redirect_output", "uid_processes", "kill_every_process_of",
+           "scrub_env", "is_peer_failure", "PEER_GRACE_S", "redirect_output", "uid_processes", "kill_every_process_of",
            "PEER_FAILURE_PHRASES"]
