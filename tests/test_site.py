@@ -217,11 +217,30 @@ def test_staged_source_has_pages_and_downloads_but_no_hidden_checks_or_solutions
         student = json.loads(zf.read("01_fixture/lab.ipynb"))
         assert 'raise NotImplementedError("exercise")' in json.dumps(student, ensure_ascii=False).replace('\\"', '"')
 
-    mtime = (src / "index.md").stat().st_mtime_ns
+    mtime = (src / "setup.md").stat().st_mtime_ns
     sb.stage(sb.SITE_SRC, tmp_path / "stage", [])  # the lab is gone: its page and download go too
     assert not (src / "labs" / "01_fixture.ipynb").exists() and not (src / "_student").exists()
-    assert (src / "index.md").stat().st_mtime_ns == mtime, "unchanged pages are not rewritten (Sphinx reuses them)"
+    assert (src / "setup.md").stat().st_mtime_ns == mtime, "unchanged pages are not rewritten (Sphinx reuses them)"
     assert "No labs are published yet" in (src / "labs" / "index.md").read_text()
+
+
+def test_the_landing_page_lists_every_lab_of_the_course_and_links_those_published(lab_copy, tmp_path, fake_execute):
+    # site/index.md once held a hand-written list of the 6 labs that existed when it was written; labs 07-10 never
+    # reached the landing page. The list is now written by the build from every lab folder's lab.yaml.
+    from scalelab.course.lab import find_labs
+    assert sb.LABS_MARKER in (sb.SITE_SRC / "index.md").read_text(), "site/index.md keeps the line the list goes on"
+    course = [load_lab(d) for d in find_labs(sb.ROOT / "labs")]
+    assert len(course) >= 10
+    done = sb.ensure_executed(lab_copy, tmp_path / "executed")
+    fixture = load_lab(lab_copy)
+    src = sb.stage(sb.SITE_SRC, tmp_path / "stage", [(fixture, done.notebook)], [fixture, *course])
+    landing = (src / "index.md").read_text()
+    assert sb.LABS_MARKER not in landing
+    for n, lab in enumerate([fixture, *course], 1):
+        head, _, rest = lab.title.partition(": ")
+        assert f"{n}. **{head}**: {rest}" in landing, lab.name
+    assert "([Lab 01](labs/01_fixture.ipynb))" in landing, "a published lab links to its page"
+    assert landing.count("(not on this site yet)") == len(course), "an unpublished lab is named, not linked"
 
 
 def test_cli_site_build_passes_its_options_to_build_site(monkeypatch, tmp_path, capsys):

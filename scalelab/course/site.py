@@ -10,8 +10,9 @@
    build with the same hash reuses the executed notebook instead of running it again (`force=True` runs it
    anyway). A lab that fails is reported with its name, the failing cell and the executed copy, after the other
    labs have run.
-2. Stage. `site/` is copied to `build/site/src/` with, per lab, `labs/<lab>.ipynb`: the executed notebook with every
-   exercise solution replaced by `# YOUR CODE HERE` (outputs kept, so the page shows the plots but not the answers),
+2. Stage. `site/` is copied to `build/site/src/` (the landing page's list of labs written from every lab's lab.yaml
+   at its LABS_MARKER line, so it names each lab the course has, published in this build or not) with, per lab,
+   `labs/<lab>.ipynb`: the executed notebook with every exercise solution replaced by `# YOUR CODE HERE` (outputs kept, so the page shows the plots but not the answers),
    papermill's injected cell, `record()` outputs and widget views removed; `_student/<lab>.zip`: the student copy
    (`scalelab labs release`); `labs/index.md` and `_labs.json` (what the `{lab}` role in site pages links to).
    Unchanged files are not rewritten, so Sphinx rebuilds only what changed.
@@ -50,6 +51,9 @@ RECORD_MIME = "application/vnd.scalelab.record+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 DROP_TAGS = {"papermill-error-cell-tag"}  # papermill's injected cell stays: it shows what the page ran with
 RUN_METADATA = ("papermill", "execution", "scalelab", "widgets")
+LABS_MARKER = "<!-- scalelab: the list of labs, written here by `scalelab site build` from labs/*/lab.yaml -->"
+"""The line of site/index.md that the build replaces with the list of every lab (a hand-written list there once named
+6 labs of 10: the labs written after it never appeared on the landing page)."""
 
 
 @dataclass
@@ -148,10 +152,13 @@ def student_zip(lab_dir: Path) -> bytes:
         return buf.getvalue()
 
 
-def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]]) -> Path:
-    """Write the Sphinx source tree: site/ plus one page and one download per (lab, executed notebook)."""
+def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]], listed: list[Lab] | None = None) -> Path:
+    """Write the Sphinx source tree: site/ plus one page and one download per (lab, executed notebook). The landing
+    page lists the labs `listed` (default: those staged), linking those staged."""
     src = stage_dir / "src"
     wanted: set[Path] = set()
+    published = {lab.name for lab, _ in labs}
+    listed = [lab for lab, _ in labs] if listed is None else listed
 
     def put(rel: str | Path, content: str | bytes) -> None:
         wanted.add(src / rel)
@@ -160,7 +167,10 @@ def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]]) -> Path
     for path in sorted(site_src.rglob("*")):
         rel = path.relative_to(site_src)
         if path.is_file() and rel.parts[0] != "_build" and "__pycache__" not in rel.parts:
-            put(rel, path.read_bytes())
+            content = path.read_bytes()
+            if rel == Path("index.md"):
+                content = landing_page(content.decode("utf-8"), listed, published)
+            put(rel, content)
     entries = {}
     for lab, executed in labs:
         download = f"../_student/{lab.name}.zip"
@@ -177,6 +187,23 @@ def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]]) -> Path
         elif path.is_dir() and not any(path.iterdir()):
             path.rmdir()
     return src
+
+
+def landing_page(text: str, labs: list[Lab], published: set[str]) -> str:
+    """The landing page's Markdown with its LABS_MARKER line replaced by a numbered list of `labs`: number, title
+    (a link where the lab is in `published`) and time. Without the marker the page is left as it is."""
+    if LABS_MARKER not in text:
+        return text
+    items = []
+    for i, lab in enumerate(labs, 1):
+        number = lab.name.split("_")[0]
+        head, _, rest = lab.title.partition(": ")
+        title = f"**{head}**" + (f": {rest}" if rest else "")
+        link = f" ([Lab {number}](labs/{lab.name}.ipynb))" if lab.name in published else " (not on this site yet)"
+        minutes = f", about {lab.minutes} minutes" if lab.minutes else ""
+        items.append(f"{i}. {title}{link}{minutes}.")
+    listing = "\n".join(items) if items else "No labs are published yet."
+    return "\n".join(listing if line.strip() == LABS_MARKER else line for line in text.split("\n"))
 
 
 def labs_index(labs: list[Lab]) -> str:
@@ -247,7 +274,7 @@ def build_site(labs_root: str | Path | None = None, site_src: str | Path = SITE_
             staged.append((load_lab(d), done.notebook))
         if failures:
             raise LabExecutionFailed(failures)
-        src = stage(site_src, stage_dir, staged)
+        src = stage(site_src, stage_dir, staged, [load_lab(d) for d in find_labs(labs_root)])
         progress(f"sphinx: {src} -> {out}")
         report.sphinx_s = run_sphinx(src, out, stage_dir / "doctrees")
     return report
@@ -272,5 +299,5 @@ def report_dict(report: SiteReport) -> dict:
 
 
 __all__ = ["SiteBuildError", "LabExecutionFailed", "ExecutedLab", "SiteReport", "lab_hash", "ensure_executed",
-           "hide_solutions", "lab_page", "student_zip", "stage", "labs_index", "run_sphinx", "build_site",
-           "report_dict", "SITE_SRC", "HTML_OUT", "EXECUTED", "STAGE", "HIDDEN"]
+           "hide_solutions", "lab_page", "student_zip", "stage", "landing_page", "labs_index", "run_sphinx", "build_site",
+           "report_dict", "SITE_SRC", "HTML_OUT", "EXECUTED", "STAGE", "HIDDEN", "LABS_MARKER"]
