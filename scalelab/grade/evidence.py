@@ -12,7 +12,8 @@ second launch to the same files): world_size, steps, start_step, launches, final
 per_rank_samples_per_s, eval_accuracy, time_fraction, loss_curve, strategy, checkpoints, blocked_s,
 checkpoint_history, t_start, t_end, lr_curve and step_numbers (rank 0's step events), wire_bytes_per_step (the median
 of rank 0's step events: what a DDP rank sent per step, ring model), comm_hook, schedule, code (the start event's
-{file: sha256} of code of the student's own the run imported) and hosts (where the ranks started) — and `implausible`, the reasons the events cannot come from a real run
+{file: sha256} of code of the student's own the run imported), hosts (where the ranks started) and pipeline (a
+pipelined run's schedule, activation bytes and bubble per stage from its `pipeline` events, else None) — and `implausible`, the reasons the events cannot come from a real run
 (empty when none were found). Records named `grader.*` that the notebook made itself are dropped first (a
 student cannot forge evidence by recording it). Checks read the evidence with `checks.evidence(r, run_dir)`,
 which fails on an implausible run, and `checks.made_runs(r)`.
@@ -176,7 +177,40 @@ def _summary(files: dict[int, list], started: float | None, now: float) -> dict[
     out.update(launches=len(launches.get(0, [])), start_step=start.get("start_step"), strategy=start.get("strategy"),
                t_start=main[0].get("t") if main else None, t_end=main[-1].get("t") if main else None,
                **_checkpoints(main), implausible=reasons)
+    out["pipeline"] = _pipeline(launches)
     return out
+
+
+def _pipeline(launches: dict[int, list]) -> dict[str, Any] | None:
+    """The pipeline events of a pipelined run's last launch (train/pipeline.py, record_pipeline), or None: its
+    schedule, micro-batches and stages; per stage (from the lowest rank of each) the last step's
+    activation_peak_bytes, peak_in_flight and operations in order (`ops`); the bubble of every step as rank 0
+    wrote it (replayed from all stages' timelines) and `bubble`, the least after the first step (which pays for
+    warm-up: load only ever adds to a step's bubble)."""
+    per: dict[int, list] = {}
+    for rank in sorted(launches):
+        launch = launches[rank][-1] if launches[rank] else []
+        events = [e for e in launch if e.get("type") == "pipeline"]
+        if events:
+            per[rank] = events
+    if not per:
+        return None
+    main = per[min(per)]
+    by_stage: dict = {}
+    for rank in sorted(per):
+        stage = per[rank][-1].get("stage")
+        if isinstance(stage, int) and not isinstance(stage, bool) and stage not in by_stage:
+            by_stage[stage] = per[rank][-1]
+    stages = [by_stage[s] for s in sorted(by_stage)]
+    bubbles = [e.get("bubble") for e in main]
+    bubbles = [b for b in bubbles if isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)]
+    later = bubbles[1:] or bubbles
+    last = main[-1]
+    return {"schedule": last.get("schedule"), "micro": last.get("micro"), "stages": last.get("stages"),
+            "steps": len(main), "activation_peak_bytes": [e.get("activation_peak_bytes") for e in stages],
+            "peak_in_flight": [e.get("peak_in_flight") for e in stages],
+            "ops": [str(e.get("ops"))[:20_000] for e in stages],
+            "bubble": min(later) if later else None, "bubble_per_step": bubbles[:MAX_CURVE]}
 
 
 def _checkpoints(events: list[dict]) -> dict[str, Any]:

@@ -213,7 +213,10 @@ class PipelineSpec:
     """How the pipeline runs its stages (strategy pp: one stage per rank; 3d: parallel.pp stages)."""
 
     schedule: str = "1f1b"
-    """gpipe (every forward, then every backward) or 1f1b (one forward, one backward once the pipe is full)."""
+    """gpipe (every forward, then every backward), 1f1b (one forward, one backward once the pipe is full),
+    module:function (a schedule of your own: function(stage, stages, micro) -> [("F" | "B", micro-batch), ...],
+    from <module>.py beside the notebook, checked before the first step: complete, in order, no deadlock), or
+    torch-gpipe / torch-1f1b (torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the same stages)."""
     micro_batches: int = 4
     """Micro-batches each batch is cut into; the bubble is (stages - 1) / (micro_batches + stages - 1)."""
 

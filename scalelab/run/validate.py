@@ -14,7 +14,7 @@ from .combinations import (fsdp_checks, gloo_cannot_run, horovod_elastic, kfac_c
 MODELS = ("cnn", "mlp", "transformer")
 DATA_SOURCES = ("heat", "digits", "path")
 STRATEGIES = ("ddp", "horovod", "fsdp", "pp", "tp", "3d")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b")  # pipeline.schedule; or module:function
 SHARDINGS = ("full", "grad_op", "none")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")
@@ -173,7 +173,7 @@ RULES = {
     "fault.recovery": (str, _choice(RECOVERIES)),
     "fsdp.sharding": (str, _choice(SHARDINGS)),
     "fsdp.reshard_after_forward": (bool, None),
-    "pipeline.schedule": (str, _choice(SCHEDULES)),
+    "pipeline.schedule": (str, _choice_or_code(SCHEDULES)),
     "pipeline.micro_batches": (int, _int_at_least(1, 1024)),
     "parallel.tp": (int, _int_at_least(1, 1024)),
     "parallel.pp": (int, _int_at_least(1, 1024)),

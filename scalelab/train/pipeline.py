@@ -2,34 +2,59 @@
 
 Stage s runs layers [cut_s, cut_s+1) of the model. A step splits the batch into m micro-batches; each
 micro-batch's activations go forward stage to stage (send/recv) and its gradients come back the same way. The
-schedule orders each stage's work:
+schedule (`pipeline.schedule`) orders each stage's work:
 
     gpipe   every forward, then every backward:     F0 F1 .. Fm-1 B0 B1 .. Bm-1
             a stage keeps the activations of all m micro-batches until their backward.
     1f1b    p-s-1 forwards to fill the pipe, then one forward, one backward, alternating; then the rest of the
             backwards. Same bubble as GPipe, but at most p-s micro-batches in flight: activation memory
             bounded by the depth of the pipe, not by m.
+    module:function
+            a schedule of the student's own: function(stage, stages, micro) -> [("F" | "B", micro-batch), ...],
+            imported from the run's code/ folder (run/user_code.py). Before the first step every rank computes
+            it for every stage and checks it (`check_plan`): every F and B of every micro-batch exactly once, B_i
+            after F_i on its stage, neighbouring stages sending and receiving in one order, and no circle of
+            stages waiting on each other (a deadlock); a schedule that fails is refused with an error naming
+            pipeline.schedule, before any stage waits on another.
+    torch-gpipe, torch-1f1b
+            torch.distributed.pipelining's own ScheduleGPipe / Schedule1F1B on the same stage (its
+            PipelineStage wraps this rank's module), for comparison with the hand-written ones: same gradients.
 
 With uniform stages, each stage idles for p-1 of the m+p-1 slots of a step: the bubble fraction
 (p-1)/(m+p-1), which shrinks as m grows. The loss is the mean of the micro-batch losses, so gradients, and the
 training trajectory, equal the unsplit batch's.
 
+Activation memory is measured in bytes (`LiveSavedBytes`): saved-tensor hooks see every tensor autograd keeps
+for backward as a forward saves it and learn when autograd lets it go (after that micro-batch's backward); the
+peak of the bytes alive at once over a step is the stage's activation memory. Parameters (and views of them) are
+state, not activations, and are left out.
+
 Sends are non-blocking (`isend`, waited for at the end of the step) and receives block; every pair of stages
-receives in the order it sends, so no schedule here can deadlock.
+receives in the order it sends, which `check_plan` asks of every schedule.
+
+In an engine run (strategies pp and 3d with parallel.pp > 1) `record_pipeline` has each rank write a `pipeline`
+event per step into its event file: the schedule, the operations it ran in order, the peak activation bytes, the
+micro-batches in flight, and the step's bubble replayed from every stage's compute timeline (`replay_bubble`).
 """
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import SpecError
+
 SCHEDULES = ("gpipe", "1f1b")
+TORCH_SCHEDULES = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B"}
+"""pipeline.schedule values run by torch.distributed.pipelining, and its class for each."""
+FIELD = "pipeline.schedule"
 
 
-def schedule_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
-    """The ("F"|"B", micro-batch) operations stage `stage` of `stages` runs in one step, in order."""
+def builtin_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """The engine's own schedules: gpipe and 1f1b."""
     if schedule == "gpipe":
         return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
     if schedule == "1f1b":
@@ -38,7 +63,152 @@ def schedule_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tup
         for i in range(micro - warm):
             ops += [("F", warm + i), ("B", i)]
         return ops + [("B", i) for i in range(micro - warm, micro)]
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    raise SpecError(FIELD, f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}, "
+                           f"{', '.join(TORCH_SCHEDULES)} or module:function")
+
+
+def schedule_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """The ("F"|"B", micro-batch) operations stage `stage` of `stages` runs in one step, in order: a built-in
+    schedule's, or what the function `schedule` ("module:function") returns (not checked: see `plan_schedule`)."""
+    if schedule in SCHEDULES or ":" not in schedule:
+        return builtin_ops(schedule, stage, stages, micro)
+    from ..run.user_code import resolve_code
+    fn = resolve_code(schedule, FIELD)
+    try:
+        ops = fn(stage, stages, micro)
+    except NotImplementedError:
+        raise SpecError(FIELD, f"{schedule} is not implemented yet (it raised NotImplementedError)") from None
+    except Exception as e:  # the student's code: say where it failed, in the field's name
+        raise SpecError(FIELD, f"{schedule}({stage}, {stages}, {micro}) raised {type(e).__name__}: {e}") from e
+    try:
+        return [(str(op), int(i)) for op, i in ops]
+    except (TypeError, ValueError):
+        raise SpecError(FIELD, f"{schedule}({stage}, {stages}, {micro}) returned {str(ops)[:200]}: expected a list "
+                               "of (\"F\" or \"B\", micro-batch number) pairs") from None
+
+
+def plan_schedule(schedule: str, stages: int, micro: int) -> list[list[tuple[str, int]]]:
+    """Every stage's operations under `schedule`, checked (`check_plan`): SpecError naming pipeline.schedule if
+    the schedule is incomplete, out of order or would deadlock."""
+    plan = [schedule_ops(schedule, s, stages, micro) for s in range(stages)]
+    check_plan(plan, micro, schedule)
+    return plan
+
+
+def check_plan(plan: list[list[tuple[str, int]]], micro: int, name: str = "the schedule") -> None:
+    """Raise SpecError(pipeline.schedule) unless the stages' operation lists make one step of a pipeline: every
+    F and B of micro-batches 0..micro-1 exactly once per stage, B_i after F_i on its stage, stage s's forwards in
+    the order stage s+1 runs them (activations arrive in the order they are sent), stage s+1's backwards in the
+    order stage s runs them (gradients likewise), and no circle of stages each waiting for another (a stage
+    blocks in its receive: forward i on stage s needs forward i of stage s-1, backward i needs backward i of
+    stage s+1)."""
+    stages = len(plan)
+    want = {(op, i) for op in "FB" for i in range(micro)}
+    for s, ops in enumerate(plan):
+        seen: set = set()
+        for k, item in enumerate(ops):
+            op, i = item
+            if op not in ("F", "B") or not 0 <= i < micro:
+                raise SpecError(FIELD, f"{name}: stage {s}, operation {k} is {item!r}; every operation is (\"F\" or "
+                                       f"\"B\", a micro-batch 0..{micro - 1})")
+            if (op, i) in seen:
+                raise SpecError(FIELD, f"{name}: stage {s} runs {op}{i} twice; each micro-batch goes forward once "
+                                       "and backward once")
+            if op == "B" and ("F", i) not in seen:
+                raise SpecError(FIELD, f"{name}: stage {s} runs B{i} before F{i}; a backward needs its forward's "
+                                       "activations")
+            seen.add((op, i))
+        if seen != want:
+            missing = sorted(want - seen, key=lambda x: (x[1], x[0]))
+            raise SpecError(FIELD, f"{name}: stage {s} never runs "
+                                   f"{' '.join(f'{op}{i}' for op, i in missing[:8])}{' ...' if len(missing) > 8 else ''}"
+                                   f" of {micro} micro-batches")
+    for s in range(stages - 1):
+        for op, sender, receiver in (("F", s, s + 1), ("B", s + 1, s)):
+            sent = [i for o, i in plan[sender] if o == op]
+            got = [i for o, i in plan[receiver] if o == op]
+            if sent != got:
+                raise SpecError(FIELD, f"{name}: stage {sender} runs its {op}s in the order {sent[:8]} but stage "
+                                       f"{receiver} in the order {got[:8]}; what one stage sends the next receives "
+                                       "in the order it was sent")
+    position, done = [0] * stages, set()
+    while any(position[s] < len(plan[s]) for s in range(stages)):
+        moved = False
+        for s in range(stages):
+            while position[s] < len(plan[s]):
+                op, i = plan[s][position[s]]
+                dep = (("F", s - 1, i) if op == "F" and s > 0 else
+                       ("B", s + 1, i) if op == "B" and s < stages - 1 else None)
+                if dep is not None and dep not in done:
+                    break
+                done.add((op, s, i))
+                position[s] += 1
+                moved = True
+        if not moved:
+            waits = [f"stage {s} at {plan[s][position[s]][0]}{plan[s][position[s]][1]}" for s in range(stages)
+                     if position[s] < len(plan[s])]
+            raise SpecError(FIELD, f"{name} would deadlock: {', '.join(waits)} each wait for another stage "
+                                   "(F_i needs F_i of the stage before, B_i the B_i of the stage after)")
+
+
+class _Held:
+    """What a saved-tensor hook hands autograd instead of the tensor: when autograd drops it, the bytes go."""
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class LiveSavedBytes:
+    """`with LiveSavedBytes(module) as live:` forwards and backwards; `live.peak` = the most bytes of tensors
+    autograd saved for backward that were alive at once, `live.bytes` those alive now. A tensor saved twice (a
+    relu's output is the next layer's input) counts once; parameters of `module` and views of them are state and
+    count not at all. Alive: from the forward that saves it until autograd releases it (the backward that used
+    it, retain_graph aside)."""
+
+    def __init__(self, module: nn.Module | None = None):
+        self.bytes = self.peak = 0
+        self._refs: dict = {}
+        self._state = {p.untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
+
+    def __enter__(self):
+        from torch.autograd.graph import saved_tensors_hooks
+        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak = self.bytes
+
+    def _pack(self, t):
+        if isinstance(t, nn.Parameter) or t.device.type == "meta" or \
+                t.untyped_storage().data_ptr() in self._state:
+            return t
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        count, size = self._refs.get(key, (0, t.numel() * t.element_size()))
+        if count == 0:
+            self.bytes += size
+            self.peak = max(self.peak, self.bytes)
+        self._refs[key] = (count + 1, size)
+        held = _Held(t)
+        weakref.finalize(held, self._release, key)
+        return held
+
+    @staticmethod
+    def _unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def _release(self, key) -> None:
+        count, size = self._refs[key]
+        if count == 1:
+            del self._refs[key]
+            self.bytes -= size
+        else:
+            self._refs[key] = (count - 1, size)
 
 
 def balanced_cuts(sizes: list[int], stages: int) -> list[int]:
@@ -64,7 +234,8 @@ def split_layers(layers: nn.Sequential, stages: int) -> list[nn.Sequential]:
 
 
 class PipelineStage:
-    """One rank's stage: runs a schedule's operations on micro-batches, timing its compute."""
+    """One rank's stage: runs a schedule's operations on micro-batches, timing its compute and measuring the bytes
+    of activations it holds."""
 
     def __init__(self, module: nn.Module, stage: int, stages: int, group=None, uniform: bool = True):
         self.module, self.stage, self.stages, self.group = module, stage, stages, group
@@ -72,61 +243,123 @@ class PipelineStage:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(stages))
         self.prev = ranks[stage - 1] if stage > 0 else None
         self.next = ranks[stage + 1] if stage < stages - 1 else None
+        self._plans: dict = {}  # (schedule, micro) -> this stage's checked operations
+        self._torch: dict = {}  # (schedule, micro) -> (torch's schedule, its stage, this step's timeline)
+        self.last: dict = {}  # what the last step returned
 
     @property
     def is_last(self) -> bool:
         """True on the stage that computes the loss."""
         return self.next is None
 
+    def ops(self, schedule: str, micro: int) -> list[tuple[str, int]]:
+        """This stage's operations under `schedule`, every stage's checked first (once per micro count)."""
+        key = (schedule, micro)
+        if key not in self._plans:
+            self._plans[key] = plan_schedule(schedule, self.stages, micro)[self.stage]
+        return self._plans[key]
+
     def step(self, schedule: str, micro_x: list, micro_y: list, boundary_shape, loss_fn) -> dict:
         """One training step's forwards and backwards (no optimizer step): loss (last stage, else nan), the
-        compute timeline [(op, micro, t0, t1)] relative to the step's start, busy and wall seconds, and the most
-        micro-batches whose activations were held at once."""
+        compute timeline [(op, micro, t0, t1)] relative to the step's start, busy and wall seconds, the most
+        micro-batches whose activations were held at once and the most bytes of them (`activation_peak_bytes`)."""
+        self.last = self._step(schedule, micro_x, micro_y, boundary_shape, loss_fn)
+        return self.last
+
+    def _step(self, schedule: str, micro_x: list, micro_y: list, boundary_shape, loss_fn) -> dict:
+        if schedule in TORCH_SCHEDULES:
+            return self._torch_step(schedule, micro_x, micro_y, loss_fn)
         m = len(micro_x)
+        plan = self.ops(schedule, m)
         saved, sends, timeline = {}, [], []
         loss_total, in_flight, peak = 0.0, 0, 0
         start = time.perf_counter()
-        for op, i in schedule_ops(schedule, self.stage, self.stages, m):
-            if op == "F":
-                if self.prev is None:
-                    # the first stage's input needs no gradient; computing it anyway gives every stage the
-                    # same backward work, the uniform stages the bubble formula assumes
-                    x = micro_x[i].detach().requires_grad_(self.uniform)
+        with LiveSavedBytes(self.module) as live:
+            for op, i in plan:
+                if op == "F":
+                    if self.prev is None:
+                        # the first stage's input needs no gradient; computing it anyway gives every stage the
+                        # same backward work, the uniform stages the bubble formula assumes
+                        x = micro_x[i].detach().requires_grad_(self.uniform)
+                    else:
+                        x = torch.empty(boundary_shape(i), device=micro_x[i].device)
+                        dist.recv(x, src=self.prev, group=self.group)
+                        x.requires_grad_(True)
+                    t0 = time.perf_counter()
+                    y = self.module(x)
+                    if self.is_last:
+                        y = loss_fn(y, micro_y[i]) / m
+                        loss_total += float(y.detach())
+                    timeline.append(("F", i, t0 - start, time.perf_counter() - start))
+                    if not self.is_last:
+                        out = y.detach().contiguous()
+                        sends.append((dist.isend(out, dst=self.next, group=self.group), out))
+                    saved[i] = (x, y)
+                    in_flight += 1
+                    peak = max(peak, in_flight)
                 else:
-                    x = torch.empty(boundary_shape(i), device=micro_x[i].device)
-                    dist.recv(x, src=self.prev, group=self.group)
-                    x.requires_grad_(True)
-                t0 = time.perf_counter()
-                y = self.module(x)
-                if self.is_last:
-                    y = loss_fn(y, micro_y[i]) / m
-                    loss_total += float(y.detach())
-                timeline.append(("F", i, t0 - start, time.perf_counter() - start))
-                if not self.is_last:
-                    out = y.detach().contiguous()
-                    sends.append((dist.isend(out, dst=self.next, group=self.group), out))
-                saved[i] = (x, y)
-                in_flight += 1
-                peak = max(peak, in_flight)
-            else:
-                x, y = saved.pop(i)
-                grad = None
-                if not self.is_last:
-                    grad = torch.empty_like(y)
-                    dist.recv(grad, src=self.next, group=self.group)
-                t0 = time.perf_counter()
-                y.backward(grad)
-                timeline.append(("B", i, t0 - start, time.perf_counter() - start))
-                if self.prev is not None:
-                    g = x.grad.contiguous()
-                    sends.append((dist.isend(g, dst=self.prev, group=self.group), g))
-                in_flight -= 1
-        wall = time.perf_counter() - start  # the last compute is done: what follows is the pipe draining
+                    x, y = saved.pop(i)
+                    grad = None
+                    if not self.is_last:
+                        grad = torch.empty_like(y)
+                        dist.recv(grad, src=self.next, group=self.group)
+                    t0 = time.perf_counter()
+                    y.backward(grad)
+                    timeline.append(("B", i, t0 - start, time.perf_counter() - start))
+                    if self.prev is not None:
+                        g = x.grad.contiguous()
+                        sends.append((dist.isend(g, dst=self.prev, group=self.group), g))
+                    del x, y
+                    in_flight -= 1
+            wall = time.perf_counter() - start  # the last compute is done: what follows is the pipe draining
         for work, _ in sends:
             work.wait()
         busy = sum(t1 - t0 for _, _, t0, t1 in timeline)
         return {"loss": loss_total if self.is_last else float("nan"), "timeline": timeline, "busy_s": busy,
-                "wall_s": wall, "peak_in_flight": peak}
+                "wall_s": wall, "peak_in_flight": peak, "activation_peak_bytes": live.peak}
+
+    def _torch_step(self, schedule: str, micro_x: list, micro_y: list, loss_fn) -> dict:
+        """The step run by torch.distributed.pipelining's schedule on this stage: its PipelineStage wraps the
+        same module; its forward_one_chunk / backward_one_chunk are timed for the timeline; torch averages the
+        gradients over the micro-batches (scale_grads), as the hand-written schedules' loss / m does."""
+        from torch.distributed import pipelining
+        m = len(micro_x)
+        key = (schedule, m)
+        if key not in self._torch:
+            device = next(self.module.parameters()).device
+            stage = pipelining.PipelineStage(self.module, self.stage, self.stages, device, group=self.group)
+            run = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, m, loss_fn=loss_fn, scale_grads=True)
+            timeline: list = []
+            self._torch[key] = (run, stage, timeline)
+            for op, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+                setattr(stage, name, self._timed(getattr(stage, name), op, timeline))
+        run, stage, timeline = self._torch[key]
+        timeline.clear()
+        losses: list = []
+        self._t0 = time.perf_counter()
+        with LiveSavedBytes(self.module) as live:
+            if self.prev is None:
+                run.step(torch.cat(micro_x))
+            elif self.is_last:
+                run.step(target=torch.cat(micro_y), losses=losses)
+            else:
+                run.step()
+            wall = time.perf_counter() - self._t0
+        in_flight = peak = 0
+        for op, *_ in timeline:
+            in_flight += 1 if op == "F" else -1
+            peak = max(peak, in_flight)
+        loss = sum(float(x) for x in losses) / m if self.is_last else float("nan")
+        return {"loss": loss, "timeline": list(timeline), "busy_s": sum(t1 - t0 for _, _, t0, t1 in timeline),
+                "wall_s": wall, "peak_in_flight": peak, "activation_peak_bytes": live.peak}
+
+    def _timed(self, method, op: str, timeline: list):
+        def timed(i, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = method(i, *args, **kwargs)
+            timeline.append((op, i, t0 - self._t0, time.perf_counter() - self._t0))
+            return out
+        return timed
 
 
 def bubble_formula(stages: int, micro: int) -> float:
@@ -181,3 +414,36 @@ def typical_timeline(timeline: list) -> list:
     for kind in ("F", "B"):
         fastest[kind] = min((t1 - t0 for op, _, t0, t1 in timeline if op == kind), default=0.0)
     return [(op, i, 0.0, fastest[op]) for op, i, _, _ in timeline]
+
+
+def record_pipeline(strategy, spec, info) -> None:
+    """Have a pipelined engine strategy (train/mesh.py) write a `pipeline` event after each of its steps into this
+    rank's event file: schedule, micro, stage, stages, the operations run in order (`ops`, e.g. "F0 F1 B0 ..."),
+    activation_peak_bytes, peak_in_flight, busy_s, wall_s and the step's bubble replayed from every stage's
+    timeline (gathered over the pipeline's group: every stage reports the same value)."""
+    from ..run.events import EventWriter
+    inner = strategy.forward_backward
+    writer: list = []
+
+    def forward_backward(model, x, y, accum):
+        loss = inner(model, x, y, accum)
+        stage = strategy.stage
+        r = stage.last if stage is not None else {}
+        if not r:
+            return loss
+        timelines = [None] * stage.stages
+        dist.all_gather_object(timelines, r["timeline"], group=stage.group)
+        try:
+            bubble = replay_bubble(timelines)["bubble"]
+        except ValueError:
+            bubble = None
+        if not writer:
+            writer.append(EventWriter(spec.output_dir, info.rank))
+        writer[0].emit("pipeline", schedule=spec.pipeline.schedule, micro=spec.pipeline.micro_batches,
+                       stage=stage.stage, stages=stage.stages,
+                       ops=" ".join(f"{op}{i}" for op, i, _, _ in r["timeline"]),
+                       activation_peak_bytes=r["activation_peak_bytes"], peak_in_flight=r["peak_in_flight"],
+                       busy_s=r["busy_s"], wall_s=r["wall_s"], bubble=bubble)
+        return loss
+
+    strategy.forward_backward = forward_backward

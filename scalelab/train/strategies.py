@@ -364,5 +364,9 @@ def build_strategy(spec, info, device):
     """The strategy the spec names."""
     if spec.strategy in ("tp", "pp", "3d"):  # a dp x pp x tp mesh (train/mesh.py), over DDP's process group
         from .mesh import MeshStrategy
-        return MeshStrategy(spec, info, device, base=DDPStrategy(spec, info, device))
+        mesh = MeshStrategy(spec, info, device, base=DDPStrategy(spec, info, device))
+        if mesh.pipelined:  # a `pipeline` event per step: schedule, activation bytes, bubble (train/pipeline.py)
+            from .pipeline import record_pipeline
+            record_pipeline(mesh, spec, info)
+        return mesh
     return {"ddp": DDPStrategy, "horovod": HorovodStrategy, "fsdp": FSDPStrategy}[spec.strategy](spec, info, device)

@@ -1,0 +1,114 @@
+"""Pipeline schedules in the engine (strategy pp): a schedule of the student's own (`pipeline.schedule =
+"module:function"`) is checked before the first step (complete, in order, no deadlock: refused naming the field,
+never a hang), runs on every stage from the run's code/ folder, and its activation memory is measured in bytes
+(saved-tensor hooks) per stage per step; torch.distributed.pipelining's GPipe and 1F1B run on the same stages to
+the same losses."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from scalelab.errors import RunFailed, SpecError
+from scalelab.grade.evidence import RUNS, run_evidence
+from scalelab.launch import launch
+from scalelab.train.pipeline import LiveSavedBytes, builtin_ops, check_plan, plan_schedule
+
+from helpers import tiny
+
+MLP = {"model.name": "mlp", "model.width": 64, "model.depth": 3, "steps": 2, "optim.batch_per_worker": 32,
+       "strategy": "pp", "pipeline.micro_batches": 4}
+
+SCHEDULES = '''
+def one_f_one_b(stage, stages, micro):
+    warm = min(stages - stage - 1, micro)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(micro - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", i) for i in range(micro - warm, micro)]
+
+
+def warm_by_stage(stage, stages, micro):  # the warm-up counted from the wrong end: stage 0 waits for B0 at once
+    warm = min(stage, micro)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(micro - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", i) for i in range(micro - warm, micro)]
+'''
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 1), (2, 4), (3, 2), (4, 8)])
+def test_the_builtin_schedules_pass_the_check(stages, micro):
+    for name in ("gpipe", "1f1b"):
+        assert plan_schedule(name, stages, micro) == [builtin_ops(name, s, stages, micro) for s in range(stages)]
+
+
+@pytest.mark.parametrize("plan, words", [
+    ([[("F", 0), ("B", 0)], [("F", 0)]], "stage 1 never runs B0"),
+    ([[("F", 0), ("F", 0), ("B", 0)], [("F", 0), ("B", 0)]], "runs F0 twice"),
+    ([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], "B0 before F0"),
+    ([[("F", 0), ("X", 0), ("B", 0)], [("F", 0), ("B", 0)]], "operation 1 is ('X', 0)"),
+    ([[("F", 1), ("F", 0), ("B", 0), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]],
+     "order [1, 0] but stage 1 in the order [0, 1]"),
+    ([builtin_ops("1f1b", 1, 2, 3), builtin_ops("1f1b", 0, 2, 3)], "would deadlock: stage 0 at B0, stage 1 at F1"),
+])
+def test_a_bad_plan_is_refused_naming_the_field(plan, words):
+    micro = 1 + max(i for ops in plan for _, i in ops)
+    with pytest.raises(SpecError) as err:
+        check_plan(plan, micro, "mine")
+    assert err.value.field == "pipeline.schedule" and words in str(err.value)
+
+
+def test_saved_tensor_bytes_follow_the_micro_batches_alive():
+    """Four forwards then four backwards hold four micro-batches' saved tensors at once; forward-backward pairs
+    hold one; the layer's weights are not counted."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    xs = [torch.randn(4, 32, requires_grad=True) for _ in range(4)]
+
+    def peak(order):
+        with LiveSavedBytes(net) as live:
+            outs = {}
+            for op, i in order:
+                if op == "F":
+                    outs[i] = net(xs[i]).square().sum()
+                else:
+                    outs.pop(i).backward()
+        assert live.bytes == 0
+        return live.peak
+
+    one = peak([("F", 0), ("B", 0)])
+    assert one >= 4 * 4 * (32 + 64)  # at least each layer's input, fp32
+    assert peak(builtin_ops("gpipe", 0, 2, 4)) == 4 * one
+    assert peak(builtin_ops("1f1b", 0, 2, 4)) == 2 * one
+
+
+def test_a_student_schedule_and_torchs_run_to_gpipes_losses_with_their_own_activation_bytes(tmp_path, monkeypatch):
+    (tmp_path / "my_pipe.py").write_text(SCHEDULES)
+    monkeypatch.chdir(tmp_path)  # the launcher copies my_pipe.py from the launching folder into the run's code/
+    summaries, runs = {}, {}
+    for schedule in ("gpipe", "my_pipe:one_f_one_b", "torch-gpipe", "torch-1f1b"):
+        name = schedule.replace(":", "-")
+        runs[name] = launch(tiny(tmp_path, name, workers=2, **MLP, **{"pipeline.schedule": schedule}))
+        summaries[name] = runs[name].wait(timeout=180)
+    for name, summary in summaries.items():
+        assert summary["loss_curve"] == pytest.approx(summaries["gpipe"]["loss_curve"], rel=1e-5, abs=1e-6), name
+    found = run_evidence(tmp_path)[RUNS]
+    pipe = {name: found[name]["pipeline"] for name in summaries}
+    mine, gpipe = pipe["my_pipe-one_f_one_b"], pipe["gpipe"]
+    assert found["my_pipe-one_f_one_b"]["code"].keys() == {"my_pipe.py"} and mine["schedule"] == "my_pipe:one_f_one_b"
+    assert mine["ops"] == ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"] and mine["stages"] == 2
+    assert mine["activation_peak_bytes"][0] * 2 == gpipe["activation_peak_bytes"][0]  # 2 micro-batches of 4
+    assert mine["activation_peak_bytes"][1] * 4 == gpipe["activation_peak_bytes"][1]  # 1 of 4
+    assert pipe["torch-1f1b"]["activation_peak_bytes"] == mine["activation_peak_bytes"]
+    assert pipe["torch-gpipe"]["activation_peak_bytes"] == gpipe["activation_peak_bytes"]
+    assert pipe["torch-1f1b"]["ops"] == mine["ops"] and pipe["torch-gpipe"]["ops"] == gpipe["ops"]
+    assert all(0 < p["bubble"] < 1 for p in pipe.values())
+
+
+def test_a_deadlocking_schedule_fails_at_once_naming_the_field(tmp_path, monkeypatch):
+    (tmp_path / "my_pipe.py").write_text(SCHEDULES)
+    monkeypatch.chdir(tmp_path)
+    run = launch(tiny(tmp_path, "dead", workers=2, **MLP, **{"pipeline.schedule": "my_pipe:warm_by_stage"}))
+    with pytest.raises(RunFailed, match="pipeline.schedule: my_pipe:warm_by_stage would deadlock"):
+        run.wait(timeout=60)
