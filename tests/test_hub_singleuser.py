@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -72,6 +73,82 @@ def test_runs_the_server_with_the_reported_port(fake_hub, tmp_path, monkeypatch)
     assert got["argv"] == [str(server), "--allow-root"]
     assert got["url"] == f"http://0.0.0.0:{port}/user/a/"
     assert got["rfc"] is True, "the slow optional import is switched off in the server process"
+
+
+RACED_SERVER = """
+import os, socket, sys, json
+from urllib.parse import urlparse
+import tornado.ioloop, tornado.web
+url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
+
+class Mine(tornado.web.RequestHandler):
+    def get(self):
+        self.write("the student's server")
+        tornado.ioloop.IOLoop.current().add_callback(tornado.ioloop.IOLoop.current().stop)
+
+app = tornado.web.Application([(r"/.*", Mine)])
+from tornado.netutil import bind_sockets
+for probe in bind_sockets(url.port, url.hostname):   # jupyter_server probes the port first, and closes the probe
+    probe.close()
+app.listen(url.port, url.hostname)   # what jupyter_server does: HTTPServer.listen(port, ip)
+tornado.ioloop.IOLoop.current().start()
+"""
+
+
+def test_a_classmate_cannot_take_the_reported_port_before_the_server_binds_it(fake_hub, tmp_path):
+    # The attack: a classmate on the node watches for the port (ss, /proc/net/tcp) and binds it the moment it is
+    # reported. The wrapper holds a listening socket from the pick to the server's start, so every bind fails and
+    # the hub's requests reach the student's own server (positive control: a GET through the reported port).
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    url, hub = fake_hub
+    taken = []
+
+    class Classmate(_Hub):
+        def do_POST(self):
+            super().do_POST()
+            port = _Hub.seen[-1][2]["port"]
+            for host in ("127.0.0.1", "0.0.0.0"):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                    s.listen(1)
+                    taken.append((host, s))  # kept open: the port stays the classmate's
+                except OSError:
+                    s.close()
+
+    server = HTTPServer(("127.0.0.1", 0), Classmate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    script = tmp_path / "raced-singleuser"
+    script.write_text(RACED_SERVER)
+    env = dict(os.environ, JUPYTERHUB_API_URL=f"http://127.0.0.1:{server.server_port}/hub/api",
+               JUPYTERHUB_API_TOKEN="tok", JUPYTERHUB_SERVICE_URL="http://127.0.0.1:0/user/a/")
+    proc = subprocess.Popen([sys.executable, "-m", "scalelab.hub.singleuser", str(script)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _Hub.seen and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert _Hub.seen, f"no port was reported: {proc.communicate(timeout=5)[0][-2000:]}"
+        port = _Hub.seen[-1][2]["port"]
+        assert taken == [], f"a classmate bound the reported port {port} at {[h for h, _ in taken]}"
+        body = None
+        while body is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/user/a/", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.1)
+        assert body == "the student's server", proc.communicate(timeout=5)[0][-2000:] if proc.poll() else body
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        server.shutdown()
+        for _, s in taken:
+            s.close()
 
 
 def test_no_report_mode_leaves_the_port_to_the_hub(tmp_path, monkeypatch):

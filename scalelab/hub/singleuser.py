@@ -1,4 +1,4 @@
-"""Start a student's server inside a batch job: pick a port, report it to the hub, run jupyterhub-singleuser.
+"""Start a student's server inside a batch job: hold a port, report it to the hub, run jupyterhub-singleuser on it.
 
     python -m scalelab.hub.singleuser /venv/bin/jupyterhub-singleuser [ARGS...]
     python -m scalelab.hub.singleuser --no-report /venv/bin/jupyterhub-singleuser [ARGS...]   # local mode
@@ -8,6 +8,9 @@ What batchspawner-singleuser does, made lean, because every second here is a sec
 - it imports only the standard library before the port is reported (batchspawner's wrapper imports
   `jupyterhub.services.auth` and `requests` first: ~1.8 s on a 2-core node);
 - it reports exactly ``{"port": N}`` — all that scalelab's hub handler accepts;
+- the port is *held* from the pick to the server's start: a listening socket the wrapper binds before reporting
+  and hands to the server (batchspawner picks a port, closes it and reports it: in between, a classmate on the
+  node could bind it and receive the hub's requests with the student's cookies and tokens);
 - it stops jsonschema from importing `rfc3987_syntax`, which builds a Lark grammar at import time (~2 s here) and
   is only used for the optional "iri"/"iri-reference" formats, which no Jupyter event schema uses;
 - it stops JupyterLab from running `node yarn.js config --json` while `jupyterlab.labapp` is imported (0.24 s and
@@ -28,11 +31,37 @@ import urllib.request
 from urllib.parse import urlparse, urlunparse
 
 
-def pick_port() -> int:
-    """A TCP port free on this node right now (the server binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def hold_port(host: str = "") -> socket.socket:
+    """A listening socket on a port of `host` that the system picked, held from now until the server takes it over
+    (see `hand_over`): there is no moment in which a classmate on the node could bind the port first and receive
+    the hub's traffic (a port picked, closed and then reported left one)."""
+    host = "" if host in ("", "0.0.0.0", "*") else host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what tornado's own bind sets (no SO_REUSEPORT)
+    sock.bind((host, 0))
+    sock.setblocking(False)
+    sock.listen(128)
+    return sock
+
+
+def hand_over(sock: socket.socket) -> None:
+    """Make the server's bind of the held port return the held socket: jupyter_server binds through tornado's
+    `TCPServer.listen` -> `tornado.netutil.bind_sockets`, which is swapped here for one that answers this port with
+    a duplicate of `sock` (jupyter_server probes the port first and closes what the probe got; the held socket
+    stays open here) and binds any other port as before. Called after the port is reported, before the server
+    imports."""
+    import tornado.netutil
+    import tornado.tcpserver
+
+    port, original = sock.getsockname()[1], tornado.netutil.bind_sockets
+
+    def bind_sockets(want, address=None, *args, **kwargs):
+        if want == port:  # a duplicate each time: jupyter_server probes the port first and closes what it got
+            return [sock.dup()]
+        return original(want, address, *args, **kwargs)
+
+    tornado.netutil.bind_sockets = tornado.tcpserver.bind_sockets = bind_sockets
 
 
 def report_port(api_url: str, token: str, port: int, attempts: int = 5) -> None:
@@ -78,9 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m scalelab.hub.singleuser [--no-report] /path/to/jupyterhub-singleuser "
                          "[ARGS...]")
     if report:
-        port = pick_port()
+        held = hold_port(urlparse(os.environ["JUPYTERHUB_SERVICE_URL"]).hostname or "")
+        port = held.getsockname()[1]
         report_port(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"], port)
         os.environ["JUPYTERHUB_SERVICE_URL"] = with_port(os.environ["JUPYTERHUB_SERVICE_URL"], port)
+        hand_over(held)
     sys.modules["rfc3987_syntax"] = None  # makes `import rfc3987_syntax` raise ImportError (see docstring)
     skip_yarn_config()
     sys.argv = list(argv)
