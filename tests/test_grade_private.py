@@ -156,7 +156,8 @@ def test_a_host_daemons_unix_socket_in_run_is_out_of_reach():
         run = confined(plan_sandbox(SandboxPolicy(memory_mb=None)), UNIX_CONNECT.format(wheres=wheres))
         assert run.stdout.count("unreachable") == 3, run.stdout + run.stderr
         # the control: the same throwaway user, with the host's /run and network, reaches both
-        shared = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False, network=True)),
+        shared = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False, network=True,
+                                                      fresh_root=False)),
                           UNIX_CONNECT.format(wheres=[path, abstract]))
         assert shared.stdout.count("reached") == 2 and "host daemon" in shared.stdout, shared.stdout + shared.stderr
         assert "uid" not in run.stderr and run.returncode == 0, run.stderr

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -91,9 +92,10 @@ def test_throwaway_uid_cannot_read_hidden_paths_or_roots_files(open_tmp):
     except OSError as e:
         print("root listing", type(e).__name__)
     """
-    # private_tmp off: this test is about hiding named paths (the lab sits in /tmp, which is private by default)
-    shown = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False)), code)
-    hidden = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False,
+    # The deny-list (as without root), private_tmp off: this test is about hiding named paths of the host's file
+    # system (the lab sits in /tmp, which is private by default; a fresh root has none of them: see below)
+    shown = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False, fresh_root=False)), code)
+    hidden = confined(plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False, fresh_root=False,
                                                   hide=(str(lab), str(lonely)))), code)
     assert f"{lab / 'hidden_checks.py'} 'SECRET'" in shown.stdout  # readable unless hidden: the test can fail
     assert f"{lab / 'hidden_checks.py'} FileNotFoundError" in hidden.stdout, hidden.stderr
@@ -133,7 +135,7 @@ def _of_uid(uid: int) -> list[int]:
 def test_a_pid_hopping_daemon_dies_with_the_runs_pid_namespace(open_tmp):
     open_tmp.chmod(0o777)
     beat = open_tmp / "beat"
-    plan = plan_sandbox(SandboxPolicy(memory_mb=None, private_tmp=False))
+    plan = plan_sandbox(SandboxPolicy(memory_mb=None, workdir=str(open_tmp)))  # the run's folder: seen from here
     assert plan.pidns
     try:
         proc = confined(plan, _hopper(beat))
@@ -248,7 +250,7 @@ def test_grading_as_an_ordinary_user_works_and_says_what_it_could_not_do(open_tm
     r = grade({str(lab)!r}, [{str(sub)!r}], {str(open_tmp / 'out')!r}, GradeOptions()).results[0]
     print(json.dumps({{"status": r.status, "message": r.message, "sandbox": r.sandbox}}))
     """
-    plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False), uid=65534)
+    plan = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False, fresh_root=False), uid=65534)
     proc = confined(plan, code, timeout=180)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -274,7 +276,7 @@ apply_sandbox(plan)
 print("userns", plan.userns, "listing", os.listdir({str(open_tmp / 'lab')!r}))
 print("umount", subprocess.run(["umount", {str(open_tmp / 'lab')!r}], capture_output=True).returncode)
 """
-    outer = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False), uid=65534)
+    outer = plan_sandbox(SandboxPolicy(network=True, memory_mb=None, private_tmp=False, fresh_root=False), uid=65534)
     proc = confined(outer, f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])")
     if "userns False" in proc.stdout:
         pytest.skip("no unprivileged user namespaces on this kernel")
@@ -290,7 +292,7 @@ def test_a_covered_checkout_shows_only_what_the_run_needs(open_tmp):
     pkg.mkdir(mode=0o755)
     (pkg / "mod.py").write_text("VALUE = 7\n")
     (pkg / "mod.py").chmod(0o644)
-    policy = SandboxPolicy(memory_mb=None, cover=(str(open_tmp / "course"),),
+    policy = SandboxPolicy(memory_mb=None, cover=(str(open_tmp / "course"),), fresh_root=False,  # the deny-list
                            needed=(*json.loads(subprocess.check_output(
                                [sys.executable, "-c", "import json; from scalelab.grade.sandbox import needed_paths;"
                                 " print(json.dumps(needed_paths()))"])), str(pkg)))
@@ -305,6 +307,64 @@ def test_a_covered_checkout_shows_only_what_the_run_needs(open_tmp):
     proc = confined(plan, code)
     assert proc.returncode == 0, proc.stderr
     assert "listing ['pkg']" in proc.stdout and "pkg VALUE = 7" in proc.stdout and "hidden False" in proc.stdout
+
+
+def _needed_here() -> list[str]:
+    return json.loads(subprocess.check_output([sys.executable, "-c", "import json; from scalelab.grade.sandbox "
+                                               "import needed_paths; print(json.dumps(needed_paths()))"]))
+
+
+@root_only
+def test_a_fresh_root_holds_only_the_allow_list(open_tmp, tmp_path):
+    # A course copy other users may read, outside every temporary folder (/srv), and a checkout whose package
+    # folder the run needs: the first is absent, the second shows only that folder. Under the deny-list (no path
+    # named to hide) the same look finds the copy: the test can fail.
+    srv = Path(tempfile.mkdtemp(prefix="sl-sbx-", dir="/srv" if os.access("/srv", os.W_OK) else None))
+    srv.chmod(0o755)
+    try:
+        copy = fake_checkout(srv / "copy")
+        lab = fake_checkout(open_tmp / "course")
+        pkg = open_tmp / "course" / "pkg"
+        pkg.mkdir(mode=0o755)
+        (pkg / "mod.py").write_text("VALUE = 7\n")
+        (pkg / "mod.py").chmod(0o644)
+        job = open_tmp / "job"
+        job.mkdir()
+        job.chmod(0o777)
+        code = f"""
+        import json, os
+        print(json.dumps({{"root": sorted(os.listdir("/")), "course": sorted(os.listdir({str(open_tmp / 'course')!r})),
+                          "pkg": open({str(pkg / 'mod.py')!r}).read().strip(),
+                          "copy": os.path.exists({str(copy / 'hidden_checks.py')!r}),
+                          "lab": os.path.exists({str(lab / 'hidden_checks.py')!r}),
+                          "etc": sorted(os.listdir("/etc")), "shadow": os.path.exists("/etc/shadow"),
+                          "wrote": open(f"{job}/{{os.getuid()}}.txt", "w").write("ok")}}))
+        """
+        policy = dict(memory_mb=None, needed=(*_needed_here(), str(pkg)), workdir=str(job))
+        fresh = confined(plan_sandbox(SandboxPolicy(**policy)), code)
+        deny = confined(plan_sandbox(SandboxPolicy(**policy, fresh_root=False)), code)
+    finally:
+        shutil.rmtree(srv, ignore_errors=True)
+    assert fresh.returncode == 0, fresh.stderr
+    seen = json.loads(fresh.stdout)
+    assert deny.returncode == 0, deny.stderr
+    assert json.loads(deny.stdout)["copy"] is True  # the deny-list shows what it was not told about
+    assert seen["copy"] is False and seen["lab"] is False and seen["shadow"] is False
+    assert seen["course"] == ["pkg"] and seen["pkg"] == "VALUE = 7" and seen["wrote"] == 2
+    assert set(seen["root"]) <= {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys",
+                                 "tmp", "var", "run", *(Path(p).parts[1] for p in _needed_here())}, seen["root"]
+    assert "srv" not in seen["root"] and "root" not in seen["root"] and "home" not in seen["root"]
+    assert "passwd" in seen["etc"] and "ld.so.cache" in seen["etc"] and "munge" not in seen["etc"]
+
+
+def test_a_fresh_roots_leak_check_names_what_is_beyond_the_list():
+    # What the runner checks after pivoting: unapplied (here, on the host's root), everything beyond the list shows.
+    plan = SandboxPlan(fresh_root=True, system=["/usr", "/etc/passwd"], private=["/tmp", "/var/tmp"],
+                       devices=["/dev/null"])
+    leaks = confinement_leaks(plan)
+    assert "/etc/hostname" in leaks or "/etc/group" in leaks, leaks
+    assert {"/srv", "/home", "/root", "/opt", "/var/lib"} & set(leaks), leaks
+    assert "/usr" not in leaks and "/etc/passwd" not in leaks and "/dev/null" not in leaks
 
 
 def test_confinement_leaks_names_a_hidden_path_still_readable(tmp_path):

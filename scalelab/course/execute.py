@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ScalelabError
-from ..record import read_records
+from ..record import iter_records
 from .lab import cell_source
 
 STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "malformed")
@@ -182,13 +182,25 @@ def execute_notebook(path, parameters: dict | None = None, *, output_path=None, 
     # A run that finished just as the limit hit is still a finished run.
     status = "timeout" if timed_out and outcome["status"] != "ok" else outcome["status"]
     nb = _read_json(out)
-    records, cell = ({}, {}) if nb is None else (read_records(nb), _running_cell(nb))
+    records, cell = ({}, {}) if nb is None else (_records(nb), _running_cell(nb))
     if status == "cell_error" and nb is not None:
         cell = _first_error_cell(nb) or cell  # with continue_on_error the run went on past it
     error = _make_error(status, path, out, cell, cell_timeout, total_timeout, outcome.get("message", ""))
     if error is not None and nb is not None and status != "cell_error":  # papermill marks cell errors itself
         _annotate(nb, out, error)
     return NotebookResult(str(path), str(out), status, records, time.monotonic() - start, error)
+
+
+def _records(nb: dict) -> dict[str, Any]:
+    """`read_records`, up to the first malformed record output: the notebook's code can display any MIME bundle,
+    and one it cannot decode must not turn the run's outcome into an exception (the grader reads records itself)."""
+    records = {}
+    try:
+        for name, value, _ in iter_records(nb):
+            records[name] = value
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError):  # RecordError is a ValueError
+        pass
+    return records
 
 
 def _malformed(path: Path, parameters: dict) -> str | None:

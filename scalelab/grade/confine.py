@@ -1,9 +1,10 @@
 """The confined side of a grading run: what the runner (`scalelab.grade.runner`) does to itself before any student
 code exists in it (the threat model and the plan are in `scalelab.grade.sandbox`, the grader's side).
 
-`apply_sandbox(plan)` unshares namespaces, covers and hides paths, brings up a private loopback, sets limits,
-drops to the throwaway uid and sets no-new-privileges; then `confinement_leaks(plan)` must find nothing, or the
-run refuses to start. `probe_main` is the child of `sandbox.verify_network_isolation`.
+`apply_sandbox(plan)` unshares namespaces, pivots into a fresh root holding only the allow-list (`_fresh_root`; or,
+without it, covers and hides paths of the host's file system), brings up a private loopback, sets limits, drops to
+the throwaway uid and sets no-new-privileges; then `confinement_leaks(plan)` must find nothing, or the run refuses
+to start. `probe_main` is the child of `sandbox.verify_network_isolation`.
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import ctypes
 import errno
 import json
 import os
+import platform
 import resource
 import socket
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -24,6 +27,14 @@ CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x40000000,
 CLONE_NEWPID, CLONE_NEWUTS = 0x20000000, 0x04000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+BUILD_AT = "/tmp"
+"""Where the init builds the fresh root before pivoting into it: a tmpfs mounted over this folder, in the run's
+own mount namespace only (every path it binds was opened before, so nothing is lost under it)."""
+FRESH_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+               "/dev/stderr": "/proc/self/fd/2", "/var/lock": "../run/lock"}
+"""Symbolic links every fresh root has (as the host's /dev and /var have them)."""
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -111,7 +122,7 @@ def _init(plan: SandboxPlan, report_fd: int | None) -> tuple[str, int]:
 
 
 def _unshare_and_mount(plan: SandboxPlan) -> None:
-    mounts = bool(plan.hide or plan.cover or plan.expose or plan.private or plan.pidns)
+    mounts = bool(plan.fresh_root or plan.hide or plan.cover or plan.expose or plan.private or plan.pidns)
     flags = (CLONE_NEWNET if plan.netns in ("root", "user") else 0) | (CLONE_NEWNS if mounts else 0)
     uid, gid = os.getuid(), os.getgid()
     if plan.userns or plan.netns == "user":
@@ -123,7 +134,10 @@ def _unshare_and_mount(plan: SandboxPlan) -> None:
         _map_ids(uid, gid)
     if flags & CLONE_NEWUTS:
         socket.sethostname("localhost")  # resolvable everywhere (gloo crashes on a name it cannot resolve)
-    if flags & CLONE_NEWNS:
+    if flags & CLONE_NEWNS and plan.fresh_root:
+        _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
+        _fresh_root(plan)
+    elif flags & CLONE_NEWNS:
         _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)  # our mounts must not leak to the host
         _expose(plan.expose, plan.cover, blocking=plan.uid is not None, private=plan.private,
                 writable=plan.writable, tmp_bytes=plan.tmp_bytes)
@@ -145,7 +159,8 @@ def _drop_privileges(plan: SandboxPlan) -> None:
     # Not dumpable: the run's other processes (same uid) can neither trace this one nor open its /proc files
     # (its file descriptors: the outcome pipe). A program it execs (the kernel) is dumpable again.
     _call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
-    leaks = confinement_leaks(plan) if (plan.hide or plan.cover or plan.expose or plan.private) else []
+    leaks = confinement_leaks(plan) if (plan.fresh_root or plan.hide or plan.cover or plan.expose or
+                                        plan.private) else []
     if leaks:
         raise SandboxError(f"hidden paths are still visible after confinement: {leaks[:5]}"
                            f"{' ...' if len(leaks) > 5 else ''}; the submission was not run")
@@ -236,6 +251,67 @@ def _expose(paths: list[str], covers: list[str], blocking: bool, private: list[s
             os.close(fd)
 
 
+def _fresh_root(plan: SandboxPlan) -> None:
+    """Build a root holding only the plan's allow-list and pivot into it; the host's root is detached, not covered.
+
+    On an empty tmpfs: the private temporary folders (fresh tmpfs mounts), then every allowed path bound at its own
+    path (system files, devices and the needed paths read-only, nosuid; devices and the job folder writable), the
+    top-level links as links, a /proc of the run's PID namespace; then pivot_root, detach the old root, and make
+    the new root itself read-only. Paths not on the list do not exist in the run at all.
+    """
+    links = {p: os.readlink(p) for p in plan.system if os.path.islink(p)}
+    links.update({p: t for p, t in FRESH_LINKS.items() if p not in links})
+    binds = [(p, "ro") for p in plan.system + plan.expose if p not in links]
+    binds += [(p, "dev") for p in plan.devices] + [(p, "rw") for p in plan.writable]
+    fds = {p: os.open(p, os.O_PATH | os.O_NOFOLLOW) for p, _ in binds}  # before any tmpfs can hide them
+    new = BUILD_AT
+    try:
+        _call("mount", b"tmpfs", os.fsencode(new), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=755")
+        for t in plan.private:
+            os.makedirs(new + t, mode=0o755, exist_ok=True)
+            _call("mount", b"tmpfs", os.fsencode(new + t), b"tmpfs", MS_NOSUID | MS_NODEV,
+                  f"mode=1777,size={plan.tmp_bytes}".encode())
+            for name in PRIVATE_KEEP.get(t, ()):
+                os.mkdir(os.path.join(new + t, name))
+                os.chmod(os.path.join(new + t, name), 0o1777)
+        for p, kind in sorted(binds):
+            target = new + p
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            if stat.S_ISDIR(os.fstat(fds[p]).st_mode):
+                os.makedirs(target, mode=0o755, exist_ok=True)
+            elif not os.path.lexists(target):
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+            _call("mount", os.fsencode(f"/proc/self/fd/{fds[p]}"), os.fsencode(target), None, MS_BIND | MS_REC, None)
+            if kind == "ro":
+                _call("mount", None, os.fsencode(target), None,
+                      MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for p, target in sorted(links.items()):
+        os.makedirs(os.path.dirname(new + p), mode=0o755, exist_ok=True)
+        if not os.path.lexists(new + p):
+            os.symlink(target, new + p)
+    os.makedirs(new + "/proc", mode=0o555, exist_ok=True)
+    if plan.pidns:  # a /proc of our own PID namespace: the run sees its own processes only
+        _call("mount", b"proc", os.fsencode(new + "/proc"), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    os.chdir(new)
+    _pivot_root(b".", b".")  # the old root now sits on top of the new one, at "/": detach it
+    _call("umount2", b".", MNT_DETACH)
+    os.chdir("/")
+    _call("mount", None, b"/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+
+
+def _pivot_root(new_root: bytes, put_old: bytes) -> None:
+    number = SYS_PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        raise SandboxError(f"pivot_root's system call number is not known for {platform.machine()}: grade with "
+                           "a deny-list (SandboxPolicy.fresh_root=False) on this machine")
+    if _libc.syscall(number, new_root, put_old) != 0:
+        e = ctypes.get_errno()
+        raise SandboxError(f"pivot_root failed: {os.strerror(e)} (errno {e})")
+
+
 def _hide(paths: list[str]) -> None:
     for p in sorted(paths):
         if not os.path.lexists(p):
@@ -280,6 +356,8 @@ def confinement_leaks(plan: SandboxPlan) -> list[str]:
                 leaks.append(p)
         except OSError:
             pass  # cannot be read: hidden enough
+    if plan.fresh_root:
+        return leaks + _fresh_root_extras(plan)
     for c in plan.cover + plan.private:
         allowed = {Path(p).relative_to(c).parts[0] for p in plan.expose + plan.writable if inside(p, c)}
         allowed |= set(PRIVATE_KEEP.get(c, ()) if c in plan.private else ())
@@ -289,6 +367,28 @@ def confinement_leaks(plan: SandboxPlan) -> list[str]:
             continue
         leaks += [os.path.join(c, name) for name in extra]
     return leaks
+
+
+def _fresh_root_extras(plan: SandboxPlan) -> list[str]:
+    """What a fresh root shows beyond its allow-list: every folder made to hold an allowed path (/, /etc, the
+    checkout holding the package folders, the private /tmp on the way to the job folder, ...) must hold exactly the
+    names that lead to one."""
+    allowed: dict[str, set[str]] = {}
+    keep = [f"{t}/{name}" for t, names in PRIVATE_KEEP.items() for name in names]
+    for p in [*plan.system, *plan.devices, *plan.expose, *plan.writable, *plan.private, *FRESH_LINKS, *keep, "/proc"]:
+        parts = Path(p).parts
+        for i in range(1, len(parts)):
+            allowed.setdefault(str(Path(*parts[:i])), set()).add(parts[i])
+    bound = set(plan.system + plan.devices + plan.expose + plan.writable)
+    extras = []
+    for folder, names in sorted(allowed.items()):
+        if folder in bound or any(inside(folder, b) for b in bound):
+            continue  # a bound folder shows the host's contents: it is on the list
+        try:
+            extras += [os.path.join(folder, n) for n in sorted(set(os.listdir(folder)) - names)]
+        except OSError:
+            extras.append(folder)
+    return extras
 
 
 def probe_main(plan_json: str, port: int) -> None:

@@ -44,7 +44,8 @@ from .sandbox import SandboxPlan, SandboxPolicy, plan_sandbox
 from .untrusted import (MAX_OUTPUT_CHARS, UntrustedFileError, cap_notebook, cap_text, load_json_beneath,
                         tolerant_records)
 
-STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "killed", "malformed", "grader_error")
+STATUSES = ("ok", "cell_error", "cell_timeout", "timeout", "dead_kernel", "killed", "crashed", "malformed",
+            "grader_error")
 
 
 @dataclass
@@ -371,6 +372,10 @@ def student_message(status: str, ex: dict, raw: Any, ctx: _Context, result: Subm
         return ("the run's grading process was killed before the notebook finished (in or after "
                 f"{where}): a process of the notebook killed it, or the run used more memory than the "
                 f"{result.sandbox.get('memory', 'allowed')} allowed")
+    if status == "crashed":
+        return ("the process running the notebook (the kernel's parent) failed before the notebook finished (in or "
+                f"after {where}), after the notebook's own code had started: that code killed, stopped or disturbed "
+                "it (its files or temporary folder)")
     if status == "malformed":
         text = re.sub(r"(/[^\s:]*/)+", "", cap_text(raw, 500))  # the grader's paths mean nothing to students
         return "the submission is not a notebook the grader can run: " + text.removeprefix(f"{NOTEBOOK}: ")

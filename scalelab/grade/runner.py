@@ -8,6 +8,12 @@ namespace is gone, the runner writes the outcome to JOB["outcome"], a file in th
 run cannot reach. So no file the student's code writes decides the status: a run that kills the process
 holding the pipe gets `killed`, and one that writes an outcome file of its own only wrote a file.
 
+What the notebook's code does to the processes running it is the student's, never the grader's: once that code
+has started (papermill marked a cell as started in the executed notebook), a failure of the executor (its process
+killed, its temporary folder jammed, its output rewritten into something it cannot read back) is the student's
+`killed` (a signal) or `crashed` status, told without the grader's paths or logs (those go to the runner's log,
+for the instructor). Only a failure before any of the student's code ran is a `grader_error`.
+
 Parameters the submission's `parameters` cell no longer declares, or all of them when no cell is tagged
 `parameters` any more, are left out (with a note) rather than failing the whole run: the student then runs with
 their own values of those.
@@ -16,12 +22,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import stat
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from ..course.execute import NotebookError, NotebookParameterError, NotebookResult, execute_notebook
+from ..course.execute import (INJECTED_TAG, MARKER_TAG, PLUMBING_TAGS, NotebookError, NotebookParameterError,
+                              NotebookResult, execute_notebook)
 from ..run.procs import kill_processes
 from .sandbox import SandboxError, SandboxPlan
 from .confine import start_sandboxed, wait_status
@@ -46,9 +56,7 @@ def main(argv: list[str]) -> int:
             os.chdir(job["cwd"])
             outcome = _execute(job)
         except BaseException as e:  # noqa: BLE001 - whatever happens here is reported, not raised
-            import traceback
-            outcome = {"status": "grader_error", "message": f"the runner failed: {type(e).__name__}: {e}",
-                       "traceback": traceback.format_exc()[-MAX_TRACEBACK_CHARS:]}
+            outcome = _failure(job, e, f"the runner failed: {type(e).__name__}: {e}")
         _reap_descendants()
         _send(write_end, outcome)
         os._exit(0)
@@ -125,8 +133,59 @@ def _execute(job: dict) -> dict:
     except NotebookParameterError as e:
         return {"status": "malformed", "message": str(e), "notes": notes}
     except NotebookError as e:
-        return {"status": "grader_error", "message": f"the notebook could not be executed: {e}", "notes": notes}
+        return {**_failure(job, e, f"the notebook could not be executed: {e}"), "notes": notes}
     return {**describe(result), "notes": notes}
+
+
+def _failure(job: dict, error: BaseException, message: str) -> dict:
+    """The outcome of an executor or runner failure: the student's `killed`/`crashed` once their code had run (the
+    details go to the runner's log only), else the grader's own `grader_error`."""
+    sys.stderr.write(f"{message}\n{traceback.format_exc()[-MAX_TRACEBACK_CHARS:]}\n")
+    sys.stderr.flush()
+    started = _started_cell(job["output"])
+    if started is None:
+        return {"status": "grader_error", "message": message,
+                "traceback": traceback.format_exc()[-MAX_TRACEBACK_CHARS:]}
+    where = {k: v for k, v in started.items() if v is not None}
+    signalled = re.search(r"the executor exited -(\d+)\b", str(error))
+    if signalled:
+        sig = int(signalled.group(1))
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        return {"status": "killed", "signal": sig, **where,
+                "message": f"the process running the notebook (the kernel's parent) was killed ({name})"}
+    return {"status": "crashed", **where,
+            "message": "the process running the notebook (the kernel's parent) failed after the notebook's code "
+                       "had started: that code killed, stopped or disturbed it (its files or temporary folder)"}
+
+
+MAX_STARTED_BYTES = 64 * 2**20
+
+
+def _started_cell(output: str) -> dict | None:
+    """Whether the student's code had started, read from the executed notebook papermill keeps: None when no cell
+    was started (papermill never reached the notebook's code), else where the run was ({"cell_index", "cell_tags"};
+    empty when the file says nothing readable: only the notebook's own code can have made it so)."""
+    try:
+        st = os.lstat(output)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STARTED_BYTES:
+        return {}
+    try:
+        with open(output, "rb") as f:
+            cells = json.loads(f.read(MAX_STARTED_BYTES))["cells"]
+        found, index = None, -1
+        for cell in cells:
+            meta = cell.get("metadata") or {}
+            tags = [t for t in meta.get("tags") or [] if isinstance(t, str)]
+            if INJECTED_TAG in tags or MARKER_TAG in tags:
+                continue
+            index += 1
+            if (meta.get("papermill") or {}).get("start_time"):
+                found = {"cell_index": index, "cell_tags": [t for t in tags if t not in PLUMBING_TAGS][:20]}
+        return found
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return {}
 
 
 def _has_parameters_cell(path: str) -> bool:

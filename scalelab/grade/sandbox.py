@@ -11,23 +11,35 @@ As root (the intended way to run a batch):
   trace or read each other, cannot read root's files, and `PR_SET_NO_NEW_PRIVS` stops setuid programs;
 - network: a new network namespace with only its own loopback up (the kernel's ZMQ sockets need it); a TCP
   connect to a port the host listens on fails. `verify_network_isolation()` proves this on the machine;
-- hidden paths: a new mount namespace where each hidden folder is covered by an empty read-only tmpfs and
-  each hidden file by /dev/null (the lab's reference folder, hidden checks, the repository's .git, other
-  students' submissions, the grading output). Whole checkouts (the one holding the lab, the one the grader and
-  the runner's interpreter import scalelab from) are *covered*: an empty tmpfs with only what the run needs
-  (the package folders, a venv inside it) bound back read-only, so no copy of a lab in them is visible;
-- private temporary folders: /tmp, /var/tmp, /dev/shm and /run are fresh, empty tmpfs mounts (as systemd's
-  PrivateTmp), with the run's own job folder (and anything it needs that lives there) bound back, so a copy of
-  the course someone left in /tmp is out of sight too, and no host daemon's Unix socket in /run is reachable;
+- a fresh root (allow-list, not deny-list): a new mount namespace whose root is an empty tmpfs holding only what
+  the run needs (`pivot_root`, the host's root detached): the system's read-only files (/usr, /lib*, /bin, /sbin,
+  /sys and a few files of /etc: `SYSTEM_PATHS`, `ETC_FILES`), a minimal /dev (`DEVICES`, GPUs), a /proc of its own
+  PID namespace, the course's Python environment and package folders (`needed_paths`: the interpreter, the venv,
+  scalelab's `scalelab/` and `widgets/`) read-only at their own paths, and its job folder read-write. Everything
+  else of the host is not covered but absent: hidden checks, other checkouts and copies of the course, other
+  submissions, /root, /home, /srv, /var/lib (the scheduler's state), the grading output;
+- private temporary folders: /tmp, /var/tmp, /dev/shm and /run are fresh, empty tmpfs mounts of the run's own (as
+  systemd's PrivateTmp), the job folder bound back inside, so no host daemon's Unix socket in /run is reachable;
+- `plan.hide` (what `scalelab.grade.job.hidden_paths` names: the lab's reference folder and its siblings, the
+  repository's .git, the submissions, the grading output) is what the run checks is gone once confined
+  (`confinement_leaks`). Without the fresh root (not root, or `SandboxPolicy.fresh_root=False`) it is the old
+  deny-list: each hidden folder is covered by an empty read-only tmpfs, each file by /dev/null, whole checkouts
+  are covered with the needed folders bound back;
 - disk: the job folder itself is a tmpfs of `GradeOptions.job_mb` (`job.cap_job_folder`, mounted by the grader),
   so writing file after file ends in ENOSPC there, not on the host's disk;
-- after confining itself the run checks that every hidden path is gone (`confinement_leaks`) and refuses to
-  start the notebook otherwise: a mount that did not take effect fails loudly instead of leaking;
+- after confining itself the run checks that every hidden path is gone and that its root holds only the
+  allow-list (`confinement_leaks`), and refuses to start the notebook otherwise: a mount that did not take effect
+  fails loudly instead of leaking;
 - memory: a cgroup v2 `memory.max` (+ `pids.max`) when a writable cgroup2 with the memory controller exists,
   else RLIMIT_AS per process; always RLIMIT_NPROC (per uid), RLIMIT_FSIZE, no core files.
 
 Not root: network isolation through an unprivileged user namespace when the kernel allows one, RLIMIT_AS; the
-student's code runs as the grader's own user, so hiding and process separation are best effort (noted).
+student's code runs as the grader's own user, and its file system is the host's with the hidden paths covered
+(the deny-list), so hiding and process separation are best effort (noted).
+
+What the fresh root does not hide: the whole of /usr, /sys (the machine's hardware and kernel settings), the listed
+files of /etc (the account list in /etc/passwd among them), the venv, and the scalelab package folders. A copy of
+the course kept under /usr or inside the venv is visible; keep private course files elsewhere.
 """
 from __future__ import annotations
 
@@ -48,6 +60,18 @@ UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
 # an abstract one, is not behind the network namespace
 PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 PRIVATE_KEEP = {"/run": ("lock",)}  # empty folders (1777) a private one starts with: /var/lock links to /run/lock
+# The fresh root's allow-list. The system's programs and libraries (read-only, at their own paths; a top-level link
+# such as /lib -> usr/lib is made as the same link), and /sys (CPU counts, GPUs: glibc, torch and CUDA read it).
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/sys")
+# Of /etc only what programs read to run: accounts and name resolution (gloo resolves "localhost"), the dynamic
+# linker's cache (without it no library in /usr/lib/<arch> is found), time zone, certificates, the alternatives
+# that /usr/bin links through (cc, c++ for torch.compile), Debian's sitecustomize (python3*), MPI's defaults.
+ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.conf", "resolv.conf", "localtime",
+             "timezone", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ssl", "ca-certificates", "alternatives",
+             "mime.types", "os-release", "protocols", "services", "fonts", "mtab", "matplotlibrc", "openmpi",
+             "python3", "python3.*")
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+"""Device files of the fresh root's /dev (with the GPUs': `gpu_devices`); /dev/shm is a private tmpfs."""
 
 
 class SandboxError(ScalelabError):
@@ -71,7 +95,11 @@ class SandboxPolicy:
     needed: tuple[str, ...] = ()
     """What the run must read (interpreter, venv, the scalelab it imports); empty: `needed_paths()` of this process."""
     private_tmp: bool = True
-    """Give the run empty /tmp, /var/tmp, /dev/shm and /run (with an empty /run/lock) of its own."""
+    """Give the run empty /tmp, /var/tmp, /dev/shm and /run (with an empty /run/lock) of its own (always so in a
+    fresh root)."""
+    fresh_root: bool = True
+    """As root: the run's root holds only the allow-list (system files, `needed`, `workdir`), not the host's file
+    system with `hide` covered (False: the deny-list, as without root)."""
     tmp_mb: int = 512
     """Size limit of each private temporary folder (tmpfs lives in memory: unbounded, it outgrows memory_mb)."""
     workdir: str | None = None
@@ -97,6 +125,13 @@ class SandboxPlan:
     """A PID namespace of the run's own, with its own /proc (root only): the run sees and signals only its own
     processes, and everything in it dies with its init."""
     hide: list[str] = field(default_factory=list)
+    """Paths the run must not see: covered (deny-list), or simply absent from a fresh root (checked after it)."""
+    fresh_root: bool = False
+    """Pivot into a fresh root holding only `system`, `devices`, `expose` (read-only), `writable` and `private`."""
+    system: list[str] = field(default_factory=list)
+    """The system's read-only paths (and top-level links) of a fresh root, and the files of /etc it keeps."""
+    devices: list[str] = field(default_factory=list)
+    """Device files of a fresh root's /dev."""
     cover: list[str] = field(default_factory=list)
     """Folders covered by an empty tmpfs before the `expose` paths inside them are bound back."""
     expose: list[str] = field(default_factory=list)
@@ -133,6 +168,8 @@ class SandboxPlan:
                             "none": "not isolated"}[self.netns],
                 "memory": f"{self.memory_bytes // 2**20} MiB via {self.memory_via}" if self.memory_bytes else "none",
                 "processes": "own PID namespace" if self.pidns else "shared with the host",
+                "file_system": ("fresh root: only the allow-list" if self.fresh_root else
+                                "the host's, hidden paths covered" if self.hide or self.cover else "the host's"),
                 "hidden_paths": len(self.hide), "covered_folders": len(self.cover), "notes": list(self.notes)}
 
 
@@ -167,6 +204,8 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
     elif policy.own_user:
         plan.notes.append("not root: the submission runs as the grader's own user (it can read what that user "
                           "can, including hidden checks on disk; hiding paths is best effort)")
+    if root and policy.fresh_root:
+        _plan_fresh_root(plan, policy, needed)
     if not root:
         userns_ok = verify_network_isolation("user")["isolated"]  # also proves user namespaces work here
         if (plan.hide or plan.cover or plan.private) and not userns_ok:
@@ -194,6 +233,33 @@ def plan_sandbox(policy: SandboxPolicy, *, uid: int | None = None, cgroup_root: 
             plan.notes.append("no writable cgroup v2 with the memory controller: memory limited per process "
                               "(RLIMIT_AS), not for the run as a whole")
     return plan
+
+
+def _plan_fresh_root(plan: SandboxPlan, policy: SandboxPolicy, needed: list[str]) -> None:
+    """The allow-list: the system's files, the needed paths, the job folder, private temporary folders; no cover."""
+    plan.fresh_root = True
+    plan.system = system_paths()
+    plan.devices = device_paths()
+    plan.cover = []
+    plan.private = list(PRIVATE_TMP)
+    plan.expose = sorted(p for p in needed if os.path.lexists(p)
+                         and not any(p == s or inside(p, s) for s in plan.system))
+    plan.writable = [bind_target(policy.workdir)] if policy.workdir else []
+
+
+def system_paths() -> list[str]:
+    """This machine's part of the fresh root's allow-list: `SYSTEM_PATHS` and /etc's `ETC_FILES` that exist."""
+    import glob
+    found = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    for pattern in ETC_FILES:
+        found += sorted(glob.glob(os.path.join("/etc", pattern)))
+    return sorted(set(found))
+
+
+def device_paths() -> list[str]:
+    """The fresh root's device files: `DEVICES` and every NVIDIA one (nvidiactl, nvidia-uvm, nvidia0, ...)."""
+    found = [f"/dev/{d}" for d in DEVICES if os.path.exists(f"/dev/{d}")]
+    return found + sorted(str(p) for p in Path("/dev").glob("nvidia*"))
 
 
 def needed_paths() -> list[str]:
@@ -355,6 +421,6 @@ def verify_network_isolation(mode: str) -> dict:
     return result
 
 
-__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "gpu_devices",
+__all__ = ["SandboxPolicy", "SandboxPlan", "SandboxError", "plan_sandbox", "gpu_devices", "system_paths", "device_paths",
            "verify_network_isolation", "free_uid", "cgroup2_base", "needed_paths", "runner_needed_paths", "bind_target",
            "blocking_ancestor", "inside"]

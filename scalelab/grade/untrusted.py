@@ -69,7 +69,8 @@ def cap_notebook(nb: dict, limit: int = MAX_OUTPUT_CHARS, image_limit: int = MAX
     """Cut every long text output of an executed notebook in place (for storing and showing) and drop images over
     `image_limit`; returns (nb, cuts)."""
     cuts = 0
-    for cell in nb.get("cells", []) if isinstance(nb, dict) else []:
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    for cell in cells if isinstance(cells, list) else []:
         if not isinstance(cell, dict):
             continue
         for output in cell.get("outputs", []) if isinstance(cell.get("outputs"), list) else []:
