@@ -122,6 +122,7 @@ _LAYOUT = {
     "munge_seed": "munge/munged.seed", "munge_pid": "run/munged.pid", "munge_log": "log/munged.log",
     "ctld_pid": "run/slurmctld.pid", "ctld_log": "log/slurmctld.log",
     "slurmd_pid": "run/slurmd.pid", "slurmd_log": "log/slurmd.log", "jobcomp_log": "log/jobcomp.txt",
+    "epilog": "epilog.sh", "task_prolog": "task-prolog.sh",
 }
 
 
@@ -219,6 +220,11 @@ def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",
+        # What cgroups do at a centre, done by two scripts (scalelab/cluster/job_end.py): the Epilog ends what a
+        # course account's job left running (a daemonised process survives scancel under linuxproc), the
+        # TaskProlog hides the GPUs from a job or step that asked for none.
+        f"Epilog={p.epilog}",
+        f"TaskProlog={p.task_prolog}",
         "MpiDefault=none",
         "SwitchType=switch/none",
         # Cores and memory are the consumable resources. CPUs are NOT over-reported: the partition oversubscribes

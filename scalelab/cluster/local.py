@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .conf import (CTLD_PORT, SLURMD_PORT, StatePaths, detect_machine, gres_conf_text, node_usable, parse_scontrol,
                    slurm_conf_text, summarise)
+from .job_end import install_scripts
 from ..errors import ClusterError
 from ..paths import cluster_state_dir
 from ..run.procs import kill_processes
@@ -205,6 +206,7 @@ class LocalCluster:
         for d in (self.state_dir, p.log_dir, p.run_dir, p.munge_dir):
             d.chmod(0o755)
         self._seal_accounting()
+        install_scripts(p.epilog, p.task_prolog)
         m = detect_machine()
         self.conf_path.write_text(self._conf_text(m))
         gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus, files=m.gpu_files)

@@ -21,6 +21,7 @@ import stat
 from pathlib import Path
 from typing import Mapping
 
+from ..cluster.job_end import COURSE_GROUP  # the group's one name: the cluster's Epilog reads it too
 from ..paths import checkout_root
 
 #: Login names that are never a student, whatever the roster says (system and service accounts).
@@ -30,7 +31,6 @@ RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "games", "ma
                             "jupyterhub", "postgres", "mysql", "ubuntu", "debian"})
 #: Unix accounts below this uid are system accounts (Debian's FIRST_UID).
 FIRST_UID = 1000
-COURSE_GROUP = "scalelab-students"
 
 
 #: Folders of the checkout that students must not read, though their servers use its environment (the venv, the
