@@ -143,13 +143,20 @@ def test_decode_augment_is_real_per_sample_work_seeded_by_its_rng(data):
 
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """One pool of 4 rank processes: the spread runs (2 nodes x 2 ranks), then the cache runs (1 node x 4 ranks)."""
+    """One pool of 4 rank processes: the spread runs (2 nodes x 2 ranks), then the cache runs (1 node x 4 ranks),
+    then the node cache once more with a storage server as the shared file system (its request log returned)."""
+    from scalelab.data.storage_server import ServerProcess, read_log
     from scalelab.launch.spmd import SpmdPool
     out = data[0]
     with SpmdPool(4, init="none", run_dir=tmp_path_factory.mktemp("pool"), threads=1) as pool:
         spread = sx.spread_epochs(out, world=4, ranks_per_node=2, latency_s=0.001, pool=pool)
         cache = sx.cache_epochs(out, world=4, latency_s=0.001, lookahead=4, pool=pool)
-    return spread, cache
+        with ServerProcess.start(data[1]["path"], tmp_path_factory.mktemp("server"), bandwidth=50e6,
+                                 opens_per_s=2000) as server:
+            sx.cache_epochs(out, world=4, caches=("node",), lookahead=4, name="server", storage=server.address,
+                            pool=pool)
+        log = read_log(server.log_path)
+    return spread, cache, log
 
 
 def _events(run_dir, kind):
@@ -158,7 +165,7 @@ def _events(run_dir, kind):
 
 
 def test_spread_ranks_read_nothing_from_the_shared_fs_and_fetch_other_nodes_samples_from_their_owner(runs, data):
-    spread, _ = runs
+    spread, _, _ = runs
     rows = {(r["run"], r["epoch"]): r for r in spread["rows"]}
     for epoch in (0, 1):
         assert rows["shared", epoch]["shared_reads"] == 64 and rows["shared", epoch]["remote_reads"] == 0
@@ -178,7 +185,7 @@ def test_spread_ranks_read_nothing_from_the_shared_fs_and_fetch_other_nodes_samp
 
 
 def test_the_node_cache_cuts_shared_fs_reads_after_epoch_one_by_at_least_n_minus_1_over_n(runs):
-    _, cache = runs
+    _, cache, _ = runs
     rows = {(r["run"], r["epoch"]): r for r in cache["rows"]}
     assert all(rows[f"cache-{c}", 0]["shared_reads"] == 64 for c in sx.CACHES)  # epoch 1 reads everything once
     assert cache["target"] == 0.75 and cache["cut"]["none"] == 0.0
@@ -210,3 +217,58 @@ def test_on_two_nodes_remote_reads_cross_between_the_hosts_and_both_sides_name_t
     assert set(row["remote_pairs"]) == {"node1->node2", "node2->node1"}
     clients = {s["host"]: list(s["clients"]) for s in res["served"]}  # servers listen on the nodes' addresses
     assert clients == {"10.213.0.11": ["node2@10.213.0.12"], "10.213.0.12": ["node1@10.213.0.11"]}
+
+
+# -- a read path of the student's (the exercise candidate), run in every rank ---------------------------------------
+
+READ_PATHS = {
+    "path_right": """
+def read_sample(i, reader):
+    data = reader.from_cache(i)
+    if data is None:
+        data = reader.from_local(i) if reader.index.owner_of(i) == reader.node else reader.from_peer(i)
+    return data
+""",
+    "path_shared": """
+def read_sample(i, reader):
+    return reader.from_shared(i)      # wrong: the spread data set is never used
+""",
+    "path_todo": """
+def read_sample(i, reader):
+    raise NotImplementedError("exercise")
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def path_runs(data, runs, tmp_path_factory):
+    """The spread run once per read path above, on 2 ranks (2 nodes), the modules in their own folder."""
+    from scalelab.launch.spmd import SpmdPool
+    code = tmp_path_factory.mktemp("code")
+    for name, text in READ_PATHS.items():
+        (code / f"{name}.py").write_text(text)
+    with SpmdPool(2, init="none", run_dir=tmp_path_factory.mktemp("pool2"), threads=1) as pool:
+        return {name: sx.spread_epochs(data[0], world=2, epochs=1, latency_s=0.001, path=f"{name}:read_sample",
+                                       code_dir=str(code), runs=("spread",), name=name, pool=pool)
+                for name in READ_PATHS}
+
+
+def test_a_students_read_path_runs_in_every_rank_and_its_effect_shows_in_the_counters(path_runs):
+    right, shared = path_runs["path_right"]["rows"][0], path_runs["path_shared"]["rows"][0]
+    assert right["shared_reads"] == 0 and right["remote_reads"] > 0 and right["path"] == ["path_right:read_sample"]
+    assert shared["shared_reads"] == 64 and shared["local_reads"] == shared["remote_reads"] == 0
+    starts = _events(path_runs["path_right"]["run_dirs"]["spread"], "start")
+    assert [list(e["code"]) for e in starts] == [["path_right.py"]] * 2, starts
+
+
+def test_a_read_path_not_written_yet_falls_back_to_the_default_and_says_so(path_runs):
+    row = path_runs["path_todo"]["rows"][0]
+    assert row["path"] == ["default (the given one is not implemented)"]
+    assert row["shared_reads"] == 0 and row["local_reads"] + row["remote_reads"] == 64
+
+
+def test_with_a_storage_server_as_the_shared_fs_its_own_log_shows_the_node_cache_cut(runs):
+    log = [e for e in runs[2] if e.get("op") in ("open", "read")]
+    reads = {tag: sum(1 for e in log if e["op"] == "read" and e["tag"] == tag) for tag in ("epoch-0", "epoch-1")}
+    assert reads == {"epoch-0": 64, "epoch-1": 0}  # the server saw every sample once, then nothing
+    assert {e["job"] for e in log} == {"server-cache-node"} and {e["rank"] for e in log} == {0, 1, 2, 3}

@@ -17,9 +17,10 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `sweep`          (lab 04) weak/strong/batch scaling sweeps: RunSpecs run one after another, speedup and
                    efficiency tables (the ScalingExplorer widget's core).
 - `data_pipeline`, `straggler`   (lab 05) file layouts, prefetch, caches, order-aware loading; one slow reader.
-- `spread`         (lab 05) the data set spread over the nodes with peer reads (FanStore), a cache shared by a
-                   node's ranks and prefetched by the sampler's order (Lobster), read vs decode threads — on rank
-                   processes (`SpmdPool`) or on the namespace cluster's nodes (srun); every read counted by source.
+- `spread`, `spread_rank`, `read_decode`   (lab 05) the data set spread over the nodes with peer reads
+                   (FanStore), a cache shared by a node's ranks and prefetched by the sampler's order (Lobster) — on
+                   rank processes (`SpmdPool`) or the namespace cluster's nodes (srun), every read counted by source;
+                   read vs decode threads.
 - `checkpointing`, `ckpt_timeline`   (lab 06) checkpoint anatomy, sync/async/sharded stalls on a run's clock.
 - `model_parallel` (lab 07) tensor parallelism by hand against the serial layers, pipeline bubble (GPipe,
                    1F1B), sharded checkpoints resharded 2 -> 1 -> 2 — run with `run_spmd`.
