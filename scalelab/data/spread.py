@@ -266,8 +266,12 @@ class SpreadReader:
     def from_local(self, i: int) -> bytes:
         """Sample `i` from this node's partition (SpreadError when another node holds it)."""
         node, k, offset, length, _ = self.index.locate(i)
-        if not self.spread or node != self.node:
-            raise SpreadError(f"sample {i} is held by node {node}, not by this node ({self.node})")
+        if not self.spread:
+            raise SpreadError(f"sample {i}: this run's data set is not spread over the nodes (reader.spread is "
+                              "False): it is only on the shared file system (from_shared)")
+        if node != self.node:
+            raise SpreadError(f"sample {i} is held by node {node}, not by this node ({self.node}): read it from "
+                              "its owner (from_peer)")
         with self._lock:
             if k not in self._files:
                 self._files[k] = os.open(self.node_dir / shard_name(k), os.O_RDONLY)

@@ -1,17 +1,20 @@
 """Lab 05's read / decode balance (Argonne's Lobster): a loader's reads wait on storage, its decoding and augmenting
-is CPU work; with a fixed number of threads, the split between the two stages sets the throughput.
+is CPU work; with a fixed number of workers, the split between the two stages sets the throughput.
 
     make_dataset(out, samples=128, size=128, channels=3, name="images")   # (experiments.spread)
-    res = balance_threads(out, total=4)    # rows per (read threads, decode threads); best, predicted
+    res = balance_threads(out, total=4)    # rows per (read threads, decode workers); best, predicted
     balance_figure(res)
 
-The read threads fetch from the shared file system (a `ThrottledStore`: one round trip per request), the decode
-threads inflate, crop, resample, flip and normalize (`decode_augment`); a bounded queue joins them, as in a loader.
-Both stages run in one process (threads, as Lobster's are), so what the decode threads gain depends on the cores
-free and on the parts of numpy and zlib that release the GIL: the measurement says what this machine gives.
+The read threads fetch from the shared file system (a `ThrottledStore`: one round trip per request; a waiting read
+holds no core and no GIL), the decode workers inflate, crop, resample, flip and normalize (`decode_augment`), at
+most two samples per worker in flight, as in a loader. Lobster balances threads of C++; in Python, decode threads
+share one GIL (numpy on small images holds it much of the time), so the decode workers are processes by default, as
+PyTorch's DataLoader workers are (`decoders="threads"` measures the threads instead). A decode worker needs a free
+core: on a busy machine the measurement says what the cores left give.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -46,12 +49,15 @@ def decode_augment(raw: bytes, meta: dict, rng, scale=(0.35, 1.0)) -> np.ndarray
 
 
 def balance_threads(out, total: int = 4, samples: int = 128, latency_s: float = 0.001, splits=None,
-                    seed: int = 0, name: str = "images") -> dict:
+                    seed: int = 0, name: str = "images", decoders: str = "processes") -> dict:
     """Lobster's balance: one process reading `samples` samples of `<out>/shared/<name>` (make_dataset(out, size=128,
     channels=3, name="images"): decoding is real work there) from the shared file system with R read threads and
-    decoding + augmenting them with D decode threads, R + D = `total`, for each split. Returns {"rows": split,
+    decoding + augmenting them with D decode workers (`decoders`: "processes" or "threads"), R + D = `total`, for
+    each split. Returns {"rows": split,
     samples_per_s; "best": the fastest split; "read_ms", "decode_ms": one thread's cost per sample of each stage
-    (measured first); "predicted": the split whose stages run at equal rates, R/D = read_ms/decode_ms}."""
+    (measured first); "cores": CPUs this process may use; each row's "model_samples_per_s": the slower stage's rate,
+    R / read_ms against min(D, cores) / decode_ms (reads wait, so they overlap; decoding needs a core each);
+    "predicted": the split the model rates highest (a tie goes to more read threads)}."""
     out = Path(out).resolve()
     index = GlobalIndex(out / "shared" / name, 1)
     store = ThrottledStore(index.shared_dir, open_latency_s=latency_s)
@@ -65,20 +71,39 @@ def balance_threads(out, total: int = 4, samples: int = 128, latency_s: float = 
         decode_augment(raw, index.meta, np.random.default_rng(k))
     decode_ms = 1000 * (time.perf_counter() - t0) / (2 * len(raws))
     splits = splits or [(r, total - r) for r in range(1, total)]
-    rows = [{"read_threads": r, "decode_threads": d, **_pipeline(reader, index.meta, ids, r, d)} for r, d in splits]
+    rows = [{"read_threads": r, "decode_threads": d, **_pipeline(reader, index.meta, ids, r, d, decoders)}
+            for r, d in splits]
     best = max(rows, key=lambda row: row["samples_per_s"])
-    share = read_ms / (read_ms + decode_ms)
-    predicted = min(total - 1, max(1, round(total * share)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for row in rows:
+        row["model_samples_per_s"] = 1000 * min(row["read_threads"] / read_ms,
+                                                min(row["decode_threads"], cores) / decode_ms)
+    top = max(rows, key=lambda row: (round(row["model_samples_per_s"], 6), row["read_threads"]))
+    predicted = top["read_threads"]
     return {"rows": rows, "best": (best["read_threads"], best["decode_threads"]), "read_ms": read_ms,
-            "decode_ms": decode_ms, "predicted": (predicted, total - predicted), "total": total}
+            "decode_ms": decode_ms, "cores": cores, "predicted": (predicted, total - predicted), "total": total}
 
 
-def _pipeline(reader, meta, ids, read_threads: int, decode_threads: int) -> dict:
-    """Read threads feed decode threads through a bounded queue; samples/s end to end, and each stage's busy time."""
-    todo, raw_q = queue.Queue(), queue.Queue(maxsize=4 * (read_threads + decode_threads))
+def _pipeline(reader, meta, ids, read_threads: int, decoders: int, kind: str = "processes") -> dict:
+    """Read threads feed `decoders` decode workers (processes or threads), at most 2 samples per worker in flight;
+    samples/s end to end (the workers are started before the clock starts)."""
+    todo = queue.Queue()
     for i in ids:
         todo.put(int(i))
-    done, lock = [0], threading.Lock()
+    in_flight, done, lock = threading.BoundedSemaphore(2 * decoders), [0], threading.Lock()
+
+    def finished(_):
+        with lock:
+            done[0] += 1
+        in_flight.release()
+
+    if kind == "processes":  # fork: the workers start at once and need nothing but numpy and zlib
+        import multiprocessing
+        pool = multiprocessing.get_context("fork").Pool(decoders)
+        pool.map(_decode_job, [(None, meta, 0)] * decoders)  # every worker up
+    else:
+        from multiprocessing.pool import ThreadPool
+        pool = ThreadPool(decoders)
 
     def read_worker():
         while True:
@@ -86,41 +111,36 @@ def _pipeline(reader, meta, ids, read_threads: int, decode_threads: int) -> dict
                 i = todo.get_nowait()
             except queue.Empty:
                 return
-            raw_q.put((i, reader.read(i)))
-
-    def decode_worker():
-        while True:
-            item = raw_q.get()
-            if item is None:
-                return
-            decode_augment(item[1], meta, np.random.default_rng(item[0]))
-            with lock:
-                done[0] += 1
+            raw = reader.read(i)
+            in_flight.acquire()
+            pool.apply_async(_decode_job, ((raw, meta, i),), callback=finished)
 
     t0 = time.perf_counter()
     readers = [threading.Thread(target=read_worker) for _ in range(read_threads)]
-    decoders = [threading.Thread(target=decode_worker) for _ in range(decode_threads)]
-    for t in readers + decoders:
+    for t in readers:
         t.start()
     for t in readers:
         t.join()
-    for _ in decoders:
-        raw_q.put(None)
-    for t in decoders:
-        t.join()
+    pool.close()
+    pool.join()
     seconds = time.perf_counter() - t0
     return {"samples": done[0], "seconds": seconds, "samples_per_s": done[0] / seconds}
 
 
+def _decode_job(job):
+    raw, meta, i = job
+    return None if raw is None else decode_augment(raw, meta, np.random.default_rng(i))
+
+
 def balance_figure(result):
-    """Samples/s per (read threads, decode threads) split, the predicted balance marked."""
+    """Samples/s per (read threads, decode threads) split, each bar noted with the model's rate (* : predicted)."""
     from .plots import bars
     rows = result["rows"]
     labels = [f"{r['read_threads']}R+{r['decode_threads']}D" for r in rows]
-    notes = ["predicted" if (r["read_threads"], r["decode_threads"]) == tuple(result["predicted"]) else ""
-             for r in rows]
-    return bars(labels, [r["samples_per_s"] for r in rows], f"Read vs decode threads ({result['total']} in all)",
-                "samples/s", notes=notes)
+    notes = [f"model {r['model_samples_per_s']:.0f}"
+             + (" *" if (r["read_threads"], r["decode_threads"]) == tuple(result["predicted"]) else "") for r in rows]
+    return bars(labels, [r["samples_per_s"] for r in rows],
+                f"Read vs decode threads ({result['total']} in all, {result['cores']} cores)", "samples/s", notes=notes)
 
 
 __all__ = ["decode_augment", "balance_threads", "balance_figure"]
