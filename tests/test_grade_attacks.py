@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from scalelab.cli import main
+from scalelab.grade.sandbox import needed_paths
 from sandbox_helpers import _as_root, fake_checkout  # noqa: F401 (the fixture: root, or a failure under CI=true)
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
@@ -140,7 +141,8 @@ def test_a_walk_of_the_whole_file_system_finds_no_hidden_check_course_copy_or_cl
     assert found == {"hidden_checks": [], "lab_yaml": [], "git": [], "notebooks": [], "classmate": [],
                      "unreadable": found["unreadable"]}, found
     listing = _records(attacked, "snoop")["root_listing"]
-    assert not {"root", "home", "srv", "opt", "mnt", "boot"} & set(listing), listing  # absent, not covered
+    needed_tops = {Path(p).parts[1] for p in needed_paths()}  # a Python under /root (pyenv) brings /root/<it>
+    assert not {"root", "home", "srv", "opt", "mnt", "boot"} - needed_tops & set(listing), listing  # absent
     assert str(attacked["srv"]) not in json.dumps(found)
     assert (r["status"], r["score"]) == ("ok", 8), r  # nothing stolen, nothing raised, full marks for the work
 
