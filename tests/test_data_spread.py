@@ -142,21 +142,26 @@ def test_decode_augment_is_real_per_sample_work_seeded_by_its_rng(data):
 # -- real rank processes: 4 ranks, 2 "nodes" of 2 on this machine ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def runs(data, tmp_path_factory):
-    """One pool of 4 rank processes: the spread runs (2 nodes x 2 ranks), then the cache runs (1 node x 4 ranks),
-    then the node cache once more with a storage server as the shared file system (its request log returned)."""
-    from scalelab.data.storage_server import ServerProcess, read_log
+def pool(tmp_path_factory):
+    """One pool of 4 rank processes for every run of this file (ranks start once)."""
     from scalelab.launch.spmd import SpmdPool
-    out = data[0]
     with SpmdPool(4, init="none", run_dir=tmp_path_factory.mktemp("pool"), threads=1) as pool:
-        spread = sx.spread_epochs(out, world=4, ranks_per_node=2, latency_s=0.001, pool=pool)
-        cache = sx.cache_epochs(out, world=4, latency_s=0.001, lookahead=4, pool=pool)
-        with ServerProcess.start(data[1]["path"], tmp_path_factory.mktemp("server"), bandwidth=50e6,
-                                 opens_per_s=2000) as server:
-            sx.cache_epochs(out, world=4, caches=("node",), lookahead=4, name="server", storage=server.address,
-                            pool=pool)
-        log = read_log(server.log_path)
-    return spread, cache, log
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def runs(data, pool, tmp_path_factory):
+    """The spread runs (2 nodes x 2 ranks), the cache runs (1 node x 4 ranks), then the node cache once more with a
+    storage server as the shared file system (its request log returned)."""
+    from scalelab.data.storage_server import ServerProcess, read_log
+    out = data[0]
+    spread = sx.spread_epochs(out, world=4, ranks_per_node=2, latency_s=0.001, pool=pool)
+    cache = sx.cache_epochs(out, world=4, latency_s=0.001, lookahead=4, pool=pool)
+    with ServerProcess.start(data[1]["path"], tmp_path_factory.mktemp("server"), bandwidth=50e6,
+                             opens_per_s=2000) as server:
+        sx.cache_epochs(out, world=4, caches=("node",), lookahead=4, name="server", storage=server.address,
+                        pool=pool)
+    return spread, cache, read_log(server.log_path)
 
 
 def _events(run_dir, kind):
@@ -241,16 +246,15 @@ def read_sample(i, reader):
 
 
 @pytest.fixture(scope="module")
-def path_runs(data, runs, tmp_path_factory):
-    """The spread run once per read path above, on 2 ranks (2 nodes), the modules in their own folder."""
-    from scalelab.launch.spmd import SpmdPool
+def path_runs(data, pool, tmp_path_factory):
+    """The spread run once per read path above (2 nodes x 2 ranks, one epoch), the modules in their own folder."""
     code = tmp_path_factory.mktemp("code")
     for name, text in READ_PATHS.items():
         (code / f"{name}.py").write_text(text)
-    with SpmdPool(2, init="none", run_dir=tmp_path_factory.mktemp("pool2"), threads=1) as pool:
-        return {name: sx.spread_epochs(data[0], world=2, epochs=1, latency_s=0.001, path=f"{name}:read_sample",
-                                       code_dir=str(code), runs=("spread",), name=name, pool=pool)
-                for name in READ_PATHS}
+    return {name: sx.spread_epochs(data[0], world=4, ranks_per_node=2, epochs=1, latency_s=0.001,
+                                   path=f"{name}:read_sample", code_dir=str(code), runs=("spread",), name=name,
+                                   pool=pool)
+            for name in READ_PATHS}
 
 
 def test_a_students_read_path_runs_in_every_rank_and_its_effect_shows_in_the_counters(path_runs):
@@ -258,7 +262,7 @@ def test_a_students_read_path_runs_in_every_rank_and_its_effect_shows_in_the_cou
     assert right["shared_reads"] == 0 and right["remote_reads"] > 0 and right["path"] == ["path_right:read_sample"]
     assert shared["shared_reads"] == 64 and shared["local_reads"] == shared["remote_reads"] == 0
     starts = _events(path_runs["path_right"]["run_dirs"]["spread"], "start")
-    assert [list(e["code"]) for e in starts] == [["path_right.py"]] * 2, starts
+    assert [list(e["code"]) for e in starts] == [["path_right.py"]] * 4
 
 
 def test_a_read_path_not_written_yet_falls_back_to_the_default_and_says_so(path_runs):
