@@ -64,6 +64,7 @@ def test_a_wrong_type_names_the_field(key):
 
 _OUT_OF_RANGE = {
     "name": "bad name!", "model.name": "resnet", "model.width": 0, "model.depth": 0, "data.source": "imagenet",
+    "model.heads": -1, "model.preset": "huge", "data.seq_len": 1,
     "data.samples": 1, "data.size": 2, "data.classes": 1, "data.loader_workers": -1, "data.prefetch_factor": 0,
     "data.format": "tfrecord", "data.samples_per_shard": 0, "data.open_latency_ms": -1.0,
     "data.read_mb_per_s": float("inf"),
@@ -101,7 +102,7 @@ def test_a_value_out_of_range_names_the_field_and_the_value(key):
 
 def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
     free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress",
-                 "fsdp.reshard_after_forward", "model.activation_checkpointing",
+                 "fsdp.reshard_after_forward", "model.activation_checkpointing", "model.compile",
                  "checkpoint.on_signal", "slurm.requeue", "checkpoint.local_dir",
                  "profile.enabled", "profile.record_shapes", "profile.profile_memory", "profile.with_stack",
                  "optim.comm_error_feedback"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from . import synthetic
+from . import pysrc, synthetic
 
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -18,6 +18,8 @@ def build_dataset(data, seed: int) -> TensorDataset:
     elif data.source == "digits":
         x, y = synthetic.digits()
         x, y = x[:DIGITS_TRAIN], y[:DIGITS_TRAIN]
+    elif data.source == "pysrc":  # windows of Python source bytes, already tensors (data/pysrc.py)
+        return TensorDataset(*pysrc.train_samples(data.samples, data.seq_len, seed))
     else:
         x, y = synthetic.from_npz(data.path)
         x, y = x[: _train_len(len(x))], y[: _train_len(len(y))]
@@ -25,13 +27,16 @@ def build_dataset(data, seed: int) -> TensorDataset:
 
 
 def build_eval_set(data, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Held-out samples: fresh fields from another seed (heat), or the tail of digits / the .npz file."""
+    """Held-out samples: fresh fields from another seed (heat), the tail of digits / the .npz file, or windows of
+    the held-out source files (pysrc)."""
     if data.source == "heat":
         x, y = synthetic.heat_fields(min(512, max(64, data.samples // 4)), data.size, data.classes,
                                      seed + EVAL_SEED_OFFSET)
     elif data.source == "digits":
         x, y = synthetic.digits()
         x, y = x[DIGITS_TRAIN:], y[DIGITS_TRAIN:]
+    elif data.source == "pysrc":  # the held-out files' windows, the same whatever the seed
+        return pysrc.held_out_samples(pysrc.eval_count(data.samples), data.seq_len)
     else:
         x, y = synthetic.from_npz(data.path)
         x, y = x[_train_len(len(x)):], y[_train_len(len(y)):]

@@ -127,19 +127,21 @@ def mesh_checks(spec) -> None:
         return
     dp, tp, pp = spec.mesh
     name, depth, width = spec.model.name, spec.model.depth, spec.model.width
+    if name == "gpt":  # a preset sets the shape
+        width, depth, _ = spec.model.shape()
     if spec.strategy == "3d" and spec.world_size % (tp * pp):
         raise SpecError("parallel.tp", f"parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp} does not divide the "
                                        f"world of {spec.world_size} ranks (world.nodes x world.workers_per_node), so "
                                        "dp = world / (tp x pp) is not whole: choose tp and pp whose product divides "
                                        f"{spec.world_size}, or a world that is a multiple of {tp * pp}")
-    if name not in ("mlp", "transformer"):
+    if name not in ("mlp", "transformer", "gpt"):
         raise SpecError("model.name", f"got {name!r} with strategy {spec.strategy!r}; tensor and pipeline "
-                                      "parallelism cut the mlp's or the transformer's layers: set model.name=mlp or "
-                                      "model.name=transformer")
+                                      "parallelism cut the mlp's, the transformer's or the gpt's layers: set "
+                                      "model.name=mlp or model.name=transformer (or gpt)")
     if spec.strategy in ("tp", "pp") and spec.world_size < 2:
         raise SpecError("world.workers_per_node", f"got {spec.world_size} ranks for strategy {spec.strategy!r}; "
                                                   f"it needs 2 to {depth + 1} ranks (raise model.depth for more)")
-    most = depth + 1 if name == "mlp" else depth + 2  # transformer: its blocks, the embedding and the head
+    most = depth + 1 if name == "mlp" else depth + 2  # transformer, gpt: its blocks, the embedding and the head
     if pp > most:
         raise SpecError("parallel.pp" if spec.strategy == "3d" else "world.workers_per_node",
                         f"got {pp} pipeline stages; a {name} of depth {depth} is cut into at most {most} stages "
@@ -148,7 +150,10 @@ def mesh_checks(spec) -> None:
         raise SpecError("model.width" if depth >= 2 else "model.depth",
                         f"tensor parallelism splits pairs of the mlp's hidden layers over {tp} ranks: it needs "
                         f"model.depth >= 2 (got {depth}) and a model.width that {tp} divides (got {width})")
-    heads = 4 if width % 4 == 0 else 1
+    heads = spec.model.shape()[2] if name == "gpt" else 4 if width % 4 == 0 else 1
+    if tp > 1 and name == "gpt" and heads % tp:
+        raise SpecError("model.heads", f"the gpt has {heads} attention heads, which {tp} tensor-parallel ranks do "
+                                       "not divide: choose heads (or a preset) that tp divides")
     if tp > 1 and name == "transformer" and heads % tp:
         raise SpecError("model.width", f"got {width}: the transformer has {heads} attention heads, which {tp} "
                                        "tensor-parallel ranks do not divide: use a width that 4 divides and tp 2 or 4")

@@ -6,19 +6,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+GPT_PRESETS = {
+    "tiny": {"width": 64, "depth": 2, "heads": 4},        # 0.14 M parameters: seconds on a CPU
+    "small": {"width": 256, "depth": 4, "heads": 4},      # 3.3 M
+    "medium": {"width": 512, "depth": 8, "heads": 8},     # 25 M
+    "100m": {"width": 768, "depth": 14, "heads": 12},     # 99 M (+ 0.8 M of positions at seq_len 1024): one GPU
+}
+"""model.preset -> the gpt's width, depth and heads (sizes counted with data.seq_len 64 unless said)."""
+
+
 @dataclass
 class ModelSpec:
     """The network to train."""
 
     name: str = "cnn"
-    """cnn (2-D fields), mlp, or transformer (patches of the 2-D field)."""
+    """cnn (2-D fields), mlp, transformer (patches of the 2-D field), or gpt (a decoder-only language model on
+    bytes: causal self-attention, data.source pysrc)."""
     width: int = 32
-    """Channels (cnn) or hidden units (mlp, transformer)."""
+    """Channels (cnn) or hidden units (mlp, transformer, gpt: the embedding width)."""
     depth: int = 2
-    """Conv blocks (cnn), hidden layers (mlp) or encoder layers (transformer)."""
+    """Conv blocks (cnn), hidden layers (mlp), encoder layers (transformer) or decoder blocks (gpt)."""
+    heads: int = 0
+    """gpt: attention heads (must divide width); 0: 4 when 4 divides width, else 1."""
+    preset: str = ""
+    """gpt: a named size, tiny, small, medium or 100m (see GPT_PRESETS), whose width, depth and heads are used
+    instead of the fields'; empty: use width, depth and heads."""
     activation_checkpointing: bool = False
-    """transformer: keep only each encoder layer's input for backward and recompute the rest during backward
-    (less activation memory, about one more forward of compute)."""
+    """transformer, gpt: keep only each encoder layer's (block's) input for backward and recompute the rest during
+    backward (less activation memory, about one more forward of compute)."""
+    compile: bool = False
+    """gpt: torch.compile each decoder block in place (parameter names unchanged; the first steps pay for the
+    compilation)."""
+
+    def shape(self) -> tuple[int, int, int]:
+        """(width, depth, heads) after the preset and the heads default are applied."""
+        if self.preset:
+            p = GPT_PRESETS[self.preset]
+            return p["width"], p["depth"], p["heads"]
+        return self.width, self.depth, self.heads or (4 if self.width % 4 == 0 else 1)
 
 
 @dataclass
@@ -26,11 +51,15 @@ class DataSpec:
     """Where samples come from and how they are loaded."""
 
     source: str = "heat"
-    """heat (seeded 2-D diffusion fields, classify the diffusivity), digits (scikit-learn's 8x8), or path."""
+    """heat (seeded 2-D diffusion fields, classify the diffusivity), digits (scikit-learn's 8x8), path, or pysrc
+    (bytes of the Python standard library's source files, next-byte prediction: model gpt; data/pysrc.py)."""
     path: str = ""
     """A .npz file with arrays x (N,C,H,W) and y (N,) when source is 'path'."""
     samples: int = 1024
-    """Samples to generate (heat); digits has 1797 and path uses what the file has."""
+    """Samples to generate (heat) or windows of text to train on (pysrc); digits has 1797 and path uses what the
+    file has."""
+    seq_len: int = 64
+    """pysrc: bytes per sample (the gpt's context length); each position's target is the next byte."""
     size: int = 16
     """Side of the square field in grid points (heat)."""
     classes: int = 4

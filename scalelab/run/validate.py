@@ -7,12 +7,13 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from ..errors import SpecError
+from .field_groups import GPT_PRESETS
 from .combinations import (fsdp_checks, gloo_cannot_run, horovod_elastic, kfac_checks, mesh_checks,
                            profile_checks, resilience_checks)
 
 # The allowed values of every choice field: owned here, re-exported by scalelab.run.spec.
-MODELS = ("cnn", "mlp", "transformer")
-DATA_SOURCES = ("heat", "digits", "path")
+MODELS = ("cnn", "mlp", "transformer", "gpt")
+DATA_SOURCES = ("heat", "digits", "path", "pysrc")
 STRATEGIES = ("ddp", "horovod", "fsdp", "pp", "tp", "3d")
 SCHEDULES = ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b")  # pipeline.schedule; or module:function
 SHARDINGS = ("full", "grad_op", "none")
@@ -99,10 +100,14 @@ RULES = {
     "model.width": (int, _int_at_least(1, 4096)),
     "model.depth": (int, _int_at_least(1, 64)),
     "model.activation_checkpointing": (bool, None),
+    "model.heads": (int, _int_at_least(0, 256)),
+    "model.preset": (str, _choice(("", *GPT_PRESETS))),
     "data.source": (str, _choice(DATA_SOURCES)),
+    "model.compile": (bool, None),
     "data.path": (str, None),
     "data.samples": (int, _int_at_least(8, 10_000_000)),
     "data.size": (int, _int_at_least(4, 1024)),
+    "data.seq_len": (int, _int_at_least(2, 65_536)),
     "data.classes": (int, _int_at_least(2, 64)),
     "data.loader_workers": (int, _int_at_least(0, 64)),
     "data.prefetch_factor": (int, _int_at_least(1, 64)),
@@ -289,7 +294,7 @@ def _cross_checks(spec) -> None:
     if spec.fault.kind != "none" and spec.fault.rank >= spec.world_size:
         raise SpecError("fault.rank", f"got {spec.fault.rank}, but the run has {spec.world_size} ranks (0.."
                                       f"{spec.world_size - 1})")
-    if spec.data.source == "heat" and spec.data.samples < spec.global_batch:
+    if spec.data.source in ("heat", "pysrc") and spec.data.samples < spec.global_batch:
         raise SpecError("data.samples", f"got {spec.data.samples}, fewer than one global batch "
                                         f"({spec.global_batch} = batch_per_worker x grad_accum x world size); "
                                         "raise data.samples or lower optim.batch_per_worker")
@@ -303,12 +308,33 @@ def _cross_checks(spec) -> None:
     kfac_checks(spec)
     mesh_checks(spec)
     profile_checks(spec)
-    if spec.model.activation_checkpointing and spec.model.name != "transformer":
-        raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers, "
-                                                          f"not model.name={spec.model.name!r}: set model.name="
-                                                          "transformer or activation_checkpointing=false")
+    if spec.model.activation_checkpointing and spec.model.name not in ("transformer", "gpt"):
+        raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers "
+                                                          f"and the gpt's blocks, not model.name="
+                                                          f"{spec.model.name!r}: set model.name=transformer or gpt, "
+                                                          "or activation_checkpointing=false")
+    gpt_checks(spec)
     if spec.checkpoint.mode == "sharded" and spec.strategy == "horovod":
         raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")
+
+
+def gpt_checks(spec) -> None:
+    """The language model: bytes of Python source to read, heads that divide the width; its fields (heads, preset,
+    compile) only with it."""
+    m, gpt = spec.model, spec.model.name == "gpt"
+    if gpt != (spec.data.source == "pysrc"):
+        raise SpecError("data.source" if gpt else "model.name",
+                        f"got model.name={m.name!r} with data.source={spec.data.source!r}; the gpt reads bytes of "
+                        "text (data.source=pysrc) and pysrc feeds only the gpt: set both or neither")
+    if not gpt:
+        for name, default in (("heads", 0), ("preset", ""), ("compile", False)):
+            if getattr(m, name) != default:
+                raise SpecError(f"model.{name}", f"got {getattr(m, name)!r}, but it is only used by model.name=gpt: "
+                                                 f"set model.name=gpt or leave model.{name}={default!r}")
+        return
+    width, _, heads = m.shape()
+    if width % heads:
+        raise SpecError("model.heads", f"got {heads} heads for width {width}: the heads must divide the width")

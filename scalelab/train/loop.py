@@ -26,6 +26,7 @@ from .hostmem import apply_malloc_policy
 from ..run.user_code import code_hashes
 from .comm_hooks import WireCounter
 from .memory import CommCounter, SavedTensorBytes, device_peak, rss_peak_bytes, state_bytes
+from .gpt import Throughput
 from .models import build_model
 from .optim import build_optimizer, lr_of, scaled_lr
 from .preempt import Preemption
@@ -77,6 +78,7 @@ def train(spec, info, events) -> dict:
     total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
     batches = resumable_batches(loader, start_step * accum, device)
     autocast = _autocast(spec.precision, device)
+    throughput = Throughput(raw_model, device, spec.precision, info.world_size // dp_world)  # gpt: tokens/s, MFU
 
     events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
                 backend=strategy.backend, device=str(device), threads=threads, malloc=malloc, wait=strategy.wait,
@@ -137,7 +139,8 @@ def train(spec, info, events) -> dict:
             exposed = comm_s if spec.strategy == "horovod" else 0.0  # DDP's buckets overlap backward
             events.emit("step", step=done, loss=loss_value, lr=lr, samples=batch * accum, step_s=step_s,
                         data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
-                        samples_per_s=batch * accum / step_s, **(wire.take() if wire else {}))
+                        samples_per_s=batch * accum / step_s, **throughput.fields(batch * accum, step_s),
+                        **(wire.take() if wire else {}))
         saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps
         if saved:
             _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)

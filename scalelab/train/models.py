@@ -1,4 +1,5 @@
-"""Small models for 2-D fields: a CNN, an MLP and a patch transformer.
+"""Small models for 2-D fields: a CNN, an MLP and a patch transformer; the byte-level language model (gpt) is in
+train/gpt.py and built here too.
 
 No BatchNorm (GroupNorm / LayerNorm instead): its statistics are per rank, which would break the
 data-parallel equivalence a lab checks (1 worker x 2B == 2 workers x B).
@@ -121,13 +122,22 @@ MODELS = {"cnn": SmallCNN, "mlp": MLP, "transformer": PatchTransformer}
 
 
 def build_model(model_spec, in_channels: int, size: int, classes: int, seed: int) -> nn.Module:
-    """The model the spec names, initialised from `seed` (identical on every rank before any broadcast)."""
-    torch.manual_seed(seed)
-    model = MODELS[model_spec.name](in_channels, size, classes, width=model_spec.width, depth=model_spec.depth)
-    model.sample_shape = (in_channels, size, size)  # what one input sample looks like (pipeline stages ask)
-    if model_spec.activation_checkpointing:
-        for layer in model.encoder.layers:
+    """The model the spec names, initialised from `seed` (identical on every rank before any broadcast). For the
+    gpt, `size` is the sequence length (its samples are 1-D)."""
+    if model_spec.name == "gpt":
+        from .gpt import build_gpt
+        model = build_gpt(model_spec, size, seed)  # sample_shape: (seq_len,)
+        layers = model.blocks
+    else:
+        torch.manual_seed(seed)
+        model = MODELS[model_spec.name](in_channels, size, classes, width=model_spec.width, depth=model_spec.depth)
+        model.sample_shape = (in_channels, size, size)  # what one input sample looks like (pipeline stages ask)
+        layers = model.encoder.layers if model_spec.activation_checkpointing else []
+    for layer in layers:
+        if model_spec.activation_checkpointing:
             checkpointed(layer)
+        if model_spec.compile:  # in place, block by block: parameter names stay (checkpoints, shards, stages)
+            layer.compile()
     return model
 
 

@@ -168,6 +168,8 @@ def split_model(model: nn.Module, rank: int, world: int, group=None) -> dict[str
     hidden layers column/row (the head and an unpaired last hidden layer stay replicated), every transformer
     block by heads and MLP (embedding, norms and head replicated). Returns, per split parameter, (dim, chunks):
     the dimension it was cut along and how many packed parts (q, k, v: 3) were each cut."""
+    if hasattr(model, "blocks"):  # the gpt (train/gpt.py)
+        return _split_gpt(model, rank, world, group)
     split: dict[str, tuple[int, int]] = {}
     if hasattr(model, "encoder"):
         for key, layer in list(model.encoder.layers._modules.items()):
@@ -184,6 +186,28 @@ def split_model(model: nn.Module, rank: int, world: int, group=None) -> dict[str
         model.net[first] = ColumnParallelLinear(model.net[first], rank, world, group)
         model.net[second] = RowParallelLinear(model.net[second], rank, world, group)
         split.update({f"net.{first}.weight": (0, 1), f"net.{first}.bias": (0, 1), f"net.{second}.weight": (1, 1)})
+    return split
+
+
+def _split_gpt(model: nn.Module, rank: int, world: int, group=None) -> dict[str, tuple[int, int]]:
+    """Each gpt block by heads and MLP, in place: the packed q, k, v projection column-parallel (this rank's slice of
+    each third, so its output is q, k and v of its heads), the out-projection row-parallel, the MLP column/row; two
+    all-reduces forward and two backward per block. Activation checkpointing and compile survive: the block stays."""
+    if model.heads % world:
+        raise ValueError(f"{model.heads} attention heads cannot be split over {world} tensor-parallel ranks: choose "
+                         f"a tp that divides {model.heads}")
+    split: dict[str, tuple[int, int]] = {}
+    for key, block in model.blocks._modules.items():
+        attn, mlp = block.attn, block.mlp
+        qkv = ColumnParallelLinear(attn.qkv, rank, world, group)
+        qkv.weight = nn.Parameter(_slice_thirds(attn.qkv.weight, rank, world))
+        qkv.bias = nn.Parameter(_slice_thirds(attn.qkv.bias, rank, world))
+        attn.qkv, attn.proj, attn.heads = qkv, RowParallelLinear(attn.proj, rank, world, group), attn.heads // world
+        mlp.fc = ColumnParallelLinear(mlp.fc, rank, world, group)
+        mlp.proj = RowParallelLinear(mlp.proj, rank, world, group)
+        at = f"blocks.{key}."
+        split.update({at + "attn.qkv.weight": (0, 3), at + "attn.qkv.bias": (0, 3), at + "attn.proj.weight": (1, 1),
+                      at + "mlp.fc.weight": (0, 1), at + "mlp.fc.bias": (0, 1), at + "mlp.proj.weight": (1, 1)})
     return split
 
 
