@@ -222,6 +222,9 @@ def test_on_two_nodes_remote_reads_cross_between_the_hosts_and_both_sides_name_t
     assert set(row["remote_pairs"]) == {"node1->node2", "node2->node1"}
     clients = {s["host"]: list(s["clients"]) for s in res["served"]}  # servers listen on the nodes' addresses
     assert clients == {"10.213.0.11": ["node2@10.213.0.12"], "10.213.0.12": ["node1@10.213.0.11"]}
+    verdict = sx.spread_verdict(out, res["run_dirs"]["nodes"])  # the files alone say the same
+    assert verdict["hosts"] == {0: "node1", 1: "node2"} and verdict["unserved"] == {0: 0, 1: 0}
+    assert verdict["misplaced"] == verdict["misrouted"] == 0 and verdict["epochs"][0]["shared"] == 0
 
 
 # -- a read path of the student's (the exercise candidate), run in every rank ---------------------------------------
@@ -237,6 +240,11 @@ def read_sample(i, reader):
     "path_shared": """
 def read_sample(i, reader):
     return reader.from_shared(i)      # wrong: the spread data set is never used
+""",
+    "path_twice": """
+def read_sample(i, reader):
+    reader.from_shared(i)             # wrong: reads every sample twice, once from the shared file system
+    return reader.default_path(i)
 """,
     "path_todo": """
 def read_sample(i, reader):
@@ -276,3 +284,19 @@ def test_with_a_storage_server_as_the_shared_fs_its_own_log_shows_the_node_cache
     reads = {tag: sum(1 for e in log if e["op"] == "read" and e["tag"] == tag) for tag in ("epoch-0", "epoch-1")}
     assert reads == {"epoch-0": 64, "epoch-1": 0}  # the server saw every sample once, then nothing
     assert {e["job"] for e in log} == {"server-cache-node"} and {e["rank"] for e in log} == {0, 1, 2, 3}
+
+
+def test_the_verdict_re_derives_a_run_from_its_files_and_names_each_mistake(path_runs, runs, data):
+    out = data[0]
+    right = sx.spread_verdict(out, path_runs["path_right"]["run_dirs"]["spread"])
+    assert right["world"] == 4 and right["nodes"] == 2 and right["hosts"] == {r: socket.gethostname() for r in range(4)}
+    local = right["epochs"][0]["local"]
+    assert right["epochs"] == [{"cache": 0, "local": local, "remote": 64 - local, "shared": 0}] and 0 < local < 64
+    assert right["misplaced"] == right["misrouted"] == right["bad"] == 0 and right["not_once"] == []
+    assert right["unserved"] == {0: 0, 1: 0} and list(right["code"][0]) == ["path_right.py"]
+    shared = sx.spread_verdict(out, path_runs["path_shared"]["run_dirs"]["spread"])
+    assert shared["epochs"][0]["shared"] == 64 and shared["not_once"] == []
+    twice = sx.spread_verdict(out, path_runs["path_twice"]["run_dirs"]["spread"])
+    assert twice["epochs"][0]["shared"] == 64 and twice["not_once"] == [0]
+    cache = sx.spread_verdict(out, runs[1]["run_dirs"]["cache-node"])
+    assert [e["shared"] for e in cache["epochs"]] == [64, 0] and [e["cache"] for e in cache["epochs"]] == [0, 64]

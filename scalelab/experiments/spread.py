@@ -174,7 +174,8 @@ def spread_across_nodes(out, env: dict | None = None, nodes: int = 2, epochs: in
     kwargs = {"out": str(out), "tag": "nodes", "spread": True, "epochs": epochs, "bind": "auto",
               "latency_s": latency_s, "path": path, "code_dir": os.getcwd(), "cleanup": True, "timeout": timeout / 2}
     r = slurm_command(["srun", "-N", str(nodes), "-n", str(nodes), "--ntasks-per-node", "1", sys.executable, "-m",
-                       "scalelab.experiments.spread_rank", json.dumps(kwargs)], slurm_env(scrub_env(env)), timeout=timeout)
+                       "scalelab.experiments.spread_rank", json.dumps(kwargs)], slurm_env(scrub_env(env)),
+                      timeout=timeout)
     run = out / "runs" / "nodes"
     if r.returncode:
         raise SpreadError(f"srun of the spread ranks failed (exit {r.returncode}): {(r.stderr or r.stdout)[-2000:]}")
@@ -182,6 +183,59 @@ def spread_across_nodes(out, env: dict | None = None, nodes: int = 2, epochs: in
     served = [json.loads(p.read_text().splitlines()[-1]) for p in sorted((run / "events").glob("server-*.jsonl"))]
     return {"rows": summarize("nodes", results), "hosts": {res["rank"]: res["host"] for res in results},
             "served": served, "run_dirs": {"nodes": str(run)}}
+
+
+# -- what a grader reads ---------------------------------------------------------------------------------------
+def spread_verdict(workdir, run_dir, max_bytes: int = 16 << 20) -> dict:
+    """A spread or cache run re-derived from its files alone, read beneath `workdir` as a grader reads a submission
+    (no symbolic link followed, sizes bounded): the ranks' start, read and epoch events, the peer servers' logs, and
+    the data set's shard index. Returns world, nodes, hosts (rank -> host), code (rank -> {file: sha256}), per epoch
+    the reads by source counted from the read events ("epochs"), and what a read path can get wrong: "misplaced"
+    (local reads of samples another node holds), "misrouted" (remote reads from a host that is not the owner's),
+    "unserved" (per node: remote reads of its samples minus what its server logged), "not_once" (epochs whose read
+    events, over all ranks, are not the sampler's draw with each sample once), "bad" (payloads refused)."""
+    import io
+    from ..paths import read_beneath
+    from .profiling import read_run_file
+    run = os.path.relpath(str(run_dir), str(workdir)) if os.path.isabs(str(run_dir)) else str(run_dir)
+
+    def lines(name):
+        text = read_run_file(workdir, os.path.join(run, "events", name), max_bytes)
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    first = lines("rank-0.jsonl")
+    start0 = next(e for e in first if e["type"] == "start")
+    world, nodes = int(start0["world"]), int(start0["nodes"])
+    events = {0: first, **{r: lines(f"rank-{r}.jsonl") for r in range(1, world)}}
+    starts = {r: next(e for e in ev if e["type"] == "start") for r, ev in events.items()}
+    data = os.path.normpath(os.path.join(run, "..", "..", "shared", "data", "shards.npz"))
+    with np.load(io.BytesIO(read_beneath(workdir, data, max_bytes))) as f:
+        owner = f["shard"] % nodes
+    reads = [e for ev in events.values() for e in ev if e["type"] == "read"]
+    epochs = sorted({e["epoch"] for e in reads})
+    by_epoch = [{s: sum(1 for e in reads if e["epoch"] == k and e["source"] == s) for s in SOURCES} for k in epochs]
+    node_of = {r: int(st["node"]) for r, st in starts.items()}
+    host_of_node = {int(n): p[0] for st in starts.values() for n, p in st.get("peers", {}).items()}
+    misplaced = sum(1 for e in reads if e["source"] == "local" and owner[e["sample"]] != node_of[e["rank"]])
+    misrouted = sum(1 for e in reads
+                    if e["source"] == "remote" and e["peer"] != host_of_node.get(int(owner[e["sample"]])))
+    unserved = {}
+    if start0.get("spread") and nodes > 1:
+        for n in range(nodes):
+            served = lines(f"server-node{n}.jsonl")[-1]
+            got = sum(c["reads"] for c in served["clients"].values())
+            unserved[n] = sum(1 for e in reads if e["source"] == "remote" and owner[e["sample"]] == n) - got
+    drawn = len(owner) // world * world  # the sampler's epoch: n // world samples per rank, none twice
+    not_once = [k for k in epochs if len(_consumed(events, k)) != drawn or len(set(_consumed(events, k))) != drawn]
+    return {"world": world, "nodes": nodes, "hosts": {r: st["host"] for r, st in starts.items()},
+            "code": {r: st.get("code", {}) for r, st in starts.items()}, "epochs": by_epoch, "misplaced": misplaced,
+            "misrouted": misrouted, "unserved": unserved, "not_once": not_once,
+            "bad": sum(e.get("bad", 0) for ev in events.values() for e in ev if e["type"] == "epoch")}
+
+
+def _consumed(events, epoch) -> list:
+    """The samples the ranks read in `epoch` (each read event is one sample reaching a rank, whatever its source)."""
+    return [e["sample"] for ev in events.values() for e in ev if e["type"] == "read" and e["epoch"] == epoch]
 
 
 # -- figures -----------------------------------------------------------------------------------------------------
@@ -205,5 +259,6 @@ def reads_figure(rows, title: str = "Where each epoch's reads came from"):
 
 
 __all__ = ["CACHES", "make_dataset", "node_cache_dir", "default_node_root", "spread_rank", "summarize",
+           "spread_verdict",
            "spread_epochs", "cache_epochs", "spread_across_nodes", "reads_figure", "decode_augment",
            "balance_threads", "balance_figure"]
