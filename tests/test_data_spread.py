@@ -152,7 +152,7 @@ def pool(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(data, pool, tmp_path_factory):
     """The spread runs (2 nodes x 2 ranks), the cache runs (1 node x 4 ranks), then the node cache once more with a
-    storage server as the shared file system (its request log returned)."""
+    storage server as the shared file system and the nodes' folders under the test's own (its request log returned)."""
     from scalelab.data.storage_server import ServerProcess, read_log
     out = data[0]
     spread = sx.spread_epochs(out, world=4, ranks_per_node=2, latency_s=0.001, pool=pool)
@@ -160,7 +160,7 @@ def runs(data, pool, tmp_path_factory):
     with ServerProcess.start(data[1]["path"], tmp_path_factory.mktemp("server"), bandwidth=50e6,
                              opens_per_s=2000) as server:
         sx.cache_epochs(out, world=4, caches=("node",), lookahead=4, name="server", storage=server.address,
-                        pool=pool)
+                        node_root=str(tmp_path_factory.mktemp("nodes") / "here"), pool=pool)
     return spread, cache, read_log(server.log_path)
 
 

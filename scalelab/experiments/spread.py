@@ -95,7 +95,8 @@ def _run_modes(out, world: int, jobs: dict, pool=None, timeout: float = 120, nam
     finally:
         if own:
             pool.close()
-        shutil.rmtree(default_node_root(out), ignore_errors=True)
+        for root in {kw.get("node_root") or default_node_root(out) for kw in jobs.values()}:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def summarize(tag: str, results: list) -> list[dict]:
@@ -122,15 +123,16 @@ def summarize(tag: str, results: list) -> list[dict]:
 
 def spread_epochs(out, world: int = 2, ranks_per_node: int = 1, epochs: int = 2, latency_s: float = 0.002,
                   compute_s: float = 0.0, path: str = "", code_dir: str = "", runs=("shared", "spread"),
-                  name: str = "", storage: str = "", pool=None, timeout: float = 120) -> dict:
+                  name: str = "", storage: str = "", node_root: str = "", pool=None, timeout: float = 120) -> dict:
     """The data set read from the shared file system only, then spread over the nodes (FanStore): `world` rank
     processes on `world // ranks_per_node` "nodes". Returns {"rows": per run and epoch, "staged": bytes staged per
     node, "run_dirs"}. `path`: a student's read path "module:function" for the spread run, imported from `code_dir`
     (default: this process's working directory, the notebook's folder); `runs`: which of the two runs to run; `name`:
     a prefix that keeps this call's run folders apart from another call's (`<out>/runs/<name>-spread`); `storage`:
-    a storage server's "host:port" as the shared file system (see spread_rank)."""
+    a storage server's "host:port" as the shared file system (see spread_rank); `node_root`: where the "nodes" keep
+    partitions and caches (default: a folder of this account's in /dev/shm; removed at the end either way)."""
     common = dict(epochs=epochs, ranks_per_node=ranks_per_node, latency_s=latency_s, compute_s=compute_s,
-                  storage=storage)
+                  storage=storage, node_root=node_root)
     jobs = {"shared": dict(spread=False, **common),
             "spread": dict(spread=True, path=path, code_dir=code_dir or os.getcwd(), **common)}
     res = _run_modes(out, world, {key: jobs[key] for key in runs}, pool, timeout, name)
@@ -142,15 +144,15 @@ def spread_epochs(out, world: int = 2, ranks_per_node: int = 1, epochs: int = 2,
 
 def cache_epochs(out, world: int = 4, epochs: int = 2, caches=CACHES, lookahead: int = 8, latency_s: float = 0.002,
                  compute_s: float = 0.0, path: str = "", code_dir: str = "", name: str = "", storage: str = "",
-                 pool=None, timeout: float = 120) -> dict:
+                 node_root: str = "", pool=None, timeout: float = 120) -> dict:
     """`world` rank processes on one node reading the shared file system through no cache, a cache per rank, and one
     node cache shared by the ranks, prefetched `lookahead` samples ahead along the sampler's known order (Lobster).
     Returns {"rows", "cut": {cache: 1 - shared reads after epoch 1 / samples read after epoch 1 (what no cache
     reads)}, "target": (N-1)/N, "run_dirs"}; `path`: a student's read path for the node-cache run (from `code_dir`);
-    `name`: a prefix for this call's run folders; `storage`: a storage server as the shared file system."""
+    `name`: a prefix for this call's run folders; `storage`: a storage server as the shared file system; `node_root`:
+    as in spread_epochs."""
     common = dict(spread=False, epochs=epochs, ranks_per_node=world, latency_s=latency_s, compute_s=compute_s,
-                  storage=storage,
-                  lookahead=lookahead)
+                  storage=storage, node_root=node_root, lookahead=lookahead)
     jobs = {f"cache-{c}": dict(cache=c, path=path if c == "node" else "", code_dir=code_dir or os.getcwd(), **common)
             for c in caches}
     res = _run_modes(out, world, jobs, pool, timeout, name)
