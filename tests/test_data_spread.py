@@ -296,6 +296,9 @@ def test_the_verdict_re_derives_a_run_from_its_files_and_names_each_mistake(path
     assert right["unserved"] == {0: 0, 1: 0} and list(right["code"][0]) == ["path_right.py"]
     shared = sx.spread_verdict(out, path_runs["path_shared"]["run_dirs"]["spread"])
     assert shared["epochs"][0]["shared"] == 64 and shared["not_once"] == []
+    assert right["paths"] == ["path_right:read_sample"]
+    todo = sx.spread_verdict(out, path_runs["path_todo"]["run_dirs"]["spread"])
+    assert todo["paths"] == ["default (the given one is not implemented)"]
     twice = sx.spread_verdict(out, path_runs["path_twice"]["run_dirs"]["spread"])
     assert twice["epochs"][0]["shared"] == 64 and twice["not_once"] == [0]
     cache = sx.spread_verdict(out, runs[1]["run_dirs"]["cache-node"])

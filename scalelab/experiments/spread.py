@@ -192,10 +192,12 @@ def spread_verdict(workdir, run_dir, max_bytes: int = 16 << 20) -> dict:
     """A spread or cache run re-derived from its files alone, read beneath `workdir` as a grader reads a submission
     (no symbolic link followed, sizes bounded): the ranks' start, read and epoch events, the peer servers' logs, and
     the data set's shard index. Returns world, nodes, hosts (rank -> host), code (rank -> {file: sha256}), per epoch
-    the reads by source counted from the read events ("epochs"), and what a read path can get wrong: "misplaced"
-    (local reads of samples another node holds), "misrouted" (remote reads from a host that is not the owner's),
-    "unserved" (per node: remote reads of its samples minus what its server logged), "not_once" (epochs whose read
-    events, over all ranks, are not the sampler's draw with each sample once), "bad" (payloads refused)."""
+    the reads by source counted from the read events ("epochs"), the read paths the epochs ran ("paths": a student's
+    "module:function", or the default's fallback note when it raised NotImplementedError), and what a read path can
+    get wrong: "misplaced" (local reads of samples another node holds), "misrouted" (remote reads from a host that is
+    not the owner's), "unserved" (per node: remote reads of its samples minus what its server logged), "not_once"
+    (epochs whose read events, over all ranks, are not the sampler's draw with each sample once), "bad" (payloads
+    refused)."""
     import io
     from ..paths import read_beneath
     from .profiling import read_run_file
@@ -231,6 +233,7 @@ def spread_verdict(workdir, run_dir, max_bytes: int = 16 << 20) -> dict:
     not_once = [k for k in epochs if len(_consumed(events, k)) != drawn or len(set(_consumed(events, k))) != drawn]
     return {"world": world, "nodes": nodes, "hosts": {r: st["host"] for r, st in starts.items()},
             "code": {r: st.get("code", {}) for r, st in starts.items()}, "epochs": by_epoch, "misplaced": misplaced,
+            "paths": sorted({e.get("path", "") for ev in events.values() for e in ev if e["type"] == "epoch"}),
             "misrouted": misrouted, "unserved": unserved, "not_once": not_once,
             "bad": sum(e.get("bad", 0) for ev in events.values() for e in ev if e["type"] == "epoch")}
 
