@@ -67,7 +67,7 @@ _OUT_OF_RANGE = {
     "model.heads": -1, "model.preset": "huge", "data.seq_len": 1,
     "data.samples": 1, "data.size": 2, "data.classes": 1, "data.loader_workers": -1, "data.prefetch_factor": 0,
     "data.format": "tfrecord", "data.samples_per_shard": 0, "data.open_latency_ms": -1.0,
-    "data.read_mb_per_s": float("inf"),
+    "data.read_mb_per_s": float("inf"), "data.server": "no port",
     "strategy": "fsdp9", "backend": "nvlink", "device": "tpu", "world.workers_per_node": 0, "world.nodes": 0,
     "world.threads_per_worker": -1, "world.malloc": "tcmalloc",
     "world.wait": "busy", "world.spin_ms": -0.5, "launcher": "ssh", "optim.name": "adam9", "optim.batch_per_worker": 0,

@@ -88,9 +88,9 @@ def test_log_records_every_request_with_opens_and_bytes(data, tmp_path):
             with pytest.raises(StorageServerError, match="not beneath"):
                 c.get("../outside.bin")
             assert c.stats()["served"] == {"j": 104}
-    entries = read_log(srv.log_path)
-    start, *requests = entries
+    start, connect, *requests = read_log(srv.log_path)
     assert start["event"] == "start" and start["policy"] == "fifo" and start["bandwidth"] == 50e6
+    assert connect["event"] == "connect" and (connect["job"], connect["rank"], connect["host"]) == ("j", 2, "node7")
     assert [(e["op"], e["name"], e["bytes"], e["opens"]) for e in requests] == [
         ("open", "big.bin", 0, 1), ("read", "big.bin", 4, 0), ("get", "small.bin", 100, 1)]
     for e in requests:
@@ -138,3 +138,42 @@ def test_token_bucket_holds_its_rate():
     for _ in range(20):
         bucket.take(10)  # 200 tokens at 1000/s, 10 of them in the bucket at the start: ~0.19 s
     assert 0.17 < time.perf_counter() - t0 < 1.0
+
+
+def test_an_engine_dataset_read_through_the_server_is_the_same_and_logged_under_the_run(tmp_path):
+    import numpy as np
+    from scalelab.data.formats import open_dataset, write_dataset
+    from scalelab.data.server_store import ServerStore
+    from scalelab.data.synthetic import heat_fields
+
+    x, y = heat_fields(40, 8, 4, seed=0)
+    directory = tmp_path / "root" / "my-run" / "data" / "shards-key"  # <run dir>/data/<key>, as the engine writes
+    write_dataset(x, y, directory, "shards", 16)
+    with ServerProcess.start(tmp_path / "root", tmp_path / "srv", 50e6, 1000) as srv:
+        served = open_dataset(directory, ServerStore(srv.address, directory))
+        local = open_dataset(directory)
+        for i in range(40):
+            a, b = served[i], local[i]
+            assert np.array_equal(a[0].numpy(), b[0].numpy()) and int(a[1]) == int(b[1])
+        served.store.close()
+    requests = [e for e in read_log(srv.log_path) if "op" in e]
+    assert {e["job"] for e in requests} == {"my-run"}
+    assert sum(e["opens"] for e in requests) == 1 + 3  # the index (one get), then each of the 3 shards once
+    assert sum(e["op"] == "read" for e in requests) == 40
+
+
+def test_a_data_folder_outside_the_servers_root_is_refused_with_what_to_do(data, tmp_path):
+    from scalelab.data.server_store import ServerStore
+    with ServerProcess.start(data, tmp_path / "srv", 50e6, 1000) as srv:
+        with pytest.raises(StorageServerError, match="not beneath it"):
+            ServerStore(srv.address, tmp_path / "elsewhere").read("x.bin")
+
+
+def test_data_server_needs_a_layout_on_disk_and_an_address():
+    from scalelab import preset
+    from scalelab.errors import SpecError
+    with pytest.raises(SpecError, match="data.server"):
+        preset("tiny").with_overrides({"data.server": "127.0.0.1:5000"})  # data.format memory
+    with pytest.raises(SpecError, match="data.server"):
+        preset("tiny").with_overrides({"data.format": "shards", "data.server": "no port"})
+    assert preset("tiny").with_overrides({"data.format": "shards", "data.server": "node1:5000"}).data.server

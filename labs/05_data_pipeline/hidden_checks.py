@@ -1,104 +1,191 @@
-"""Lab 05 hidden checks: the engine runs against their event files; answers recomputed from other records.
-
-Only the two engine runs at the end write events. The layouts, the format comparison, the prefetch sweep, the
-cache, the reuse analysis and the straggler are measured in the notebook's own process, so they are held against
-each other only. Every check needs a real run (`needs_run`).
-"""
+"""Lab 05 hidden checks: every measurement is re-derived from the storage servers' request logs, re-read from the
+working copy (`experiments.storage.run_log`), and the student's code is identified by the SHA-256 the server (the
+policy) or the readers (the sampler) logged for it. Every check needs a real run (`needs_run`)."""
+import hashlib
+import json
 import math
 
-from scalelab.grade.checks import check, close, evidence, made_runs
+from scalelab.experiments.storage import run_log, sample_bytes, sampler_verdict, scaling_row, shares
+from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.evidence import WORKDIR
+from scalelab.paths import read_beneath
+
+BAND = (0.5, 1.15)
+"""A reader's bandwidth with N readers, as a fraction of budget / N."""
+FAIR = 0.10
+"""How far (relative) a job's share may be from its job-fair third."""
 
 
-def _run_of(r, row):
-    """The evidence of an engine row: by its recorded run dir, or (a submission from before the notebook recorded
-    run dirs) the run of this notebook whose events show exactly its samples/s."""
-    if "run_dir" in row:
-        return evidence(r, row["run_dir"])
-    same = [v for v in made_runs(r).values() if isinstance(v.get("samples_per_s"), float)
-            and math.isclose(v["samples_per_s"], row["samples_per_s"], rel_tol=1e-9)]
-    assert same, f"no run of this notebook shows {row['samples_per_s']:.0f} samples/s ({row['format']})"
-    return same[0]
+def _log(r, path):
+    try:
+        return run_log(r[WORKDIR], path)
+    except Exception as e:  # noqa: BLE001 - missing, a link, too big: the student's files
+        raise AssertionError(f"the server log {path} could not be read ({type(e).__name__}: {e})") from None
 
 
-@check(points=2, needs_run=True)
-def engine_formats_are_the_engine_runs(r):
-    """Each engine run's samples/s, data share of the step and final loss are what its event files show."""
-    for x in r["engine_formats"]:
-        found = _run_of(r, x)
-        close(found["samples_per_s"], x["samples_per_s"], what=f"{x['format']} samples/s")
-        close(found["time_fraction"]["data"], x["data_fraction"], what=f"{x['format']} data fraction")
-        close(found["final_loss"], x["final_loss"], what=f"{x['format']} final loss")
+def _sha(r, name):
+    try:
+        return hashlib.sha256(read_beneath(r[WORKDIR], name, 1 << 20)).hexdigest()
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{name} could not be read from the submission ({e})") from None
 
 
-def _row(rows, **match):
-    return next(r for r in rows if all(r.get(k) == v for k, v in match.items()))
+@check(points=3, needs_run=True)
+def per_reader_bandwidth_falls_as_one_over_n(r):
+    """From the scaling server's log: with N readers each gets 0.5 to 1.15 x budget / N (mean per reader), and the
+    recorded rows are the log's."""
+    s = r["scaling"]
+    entries = _log(r, s["log"])
+    budget = next(e for e in entries if e.get("event") == "start")["bandwidth"]
+    for row in s["rows"]:
+        found = scaling_row(entries, row["readers"], budget)
+        close(found["per_reader_mb_s"], row["per_reader_mb_s"], what=f"{row['readers']} readers' MB/s")
+        fair = budget / row["readers"] / 1e6
+        assert BAND[0] * fair <= found["per_reader_mb_s"] <= BAND[1] * fair, \
+            f"{row['readers']} readers: {found['per_reader_mb_s']:.2f} MB/s each, budget / N is {fair:.2f}"
 
 
-@check(points=2, needs_run=True)
-def prediction_follows_from_the_recorded_epoch(r):
-    """predicted_pfs_files_s is the local epoch + opens x latency + bytes / bandwidth of the recorded rows."""
-    p, row = r["pfs_params"], _row(r["formats"], layout="files", where="pfs")
-    want = _row(r["formats"], layout="files", where="local")["elapsed_s"] + row["opens"] * p["open_latency_ms"] / 1000
-    if p["bandwidth_mb_s"]:
-        want += row["bytes"] / (p["bandwidth_mb_s"] * 1e6)
-    assert math.isclose(r["predicted_pfs_files_s"], want, rel_tol=1e-6), "does not follow from the recorded epoch"
+def _index(r, path):
+    try:
+        return json.loads(read_beneath(r[WORKDIR], path, 16 << 20))
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"the shard index {path} could not be read ({type(e).__name__}: {e})") from None
+
+
+@check(points=3, needs_run=True)
+def shards_cut_the_opens(r):
+    """Exercise 1, from the two epochs' server logs: the file-per-sample epoch opened one file per sample, the
+    shards' epoch at most one per shard file (and at most a fifth of that); both moved every sample's bytes once; every
+    read was at an entry of the submitted index, and the shard files hold each sample's bytes there."""
+    e, setup = r["epoch_layouts"], r["setup"]
+    n, size = setup["samples"], setup["sample_size"]
+    assert e["written"]["written"], f"no shards were written: {e['written']['why']}"
+    assert e["written"]["code"].get("my_shards.py") == _sha(r, "my_shards.py"), "the shards are not my_shards.py's"
+    files = [x for x in _log(r, e["files"]["log"]) if "op" in x]
+    shards = [x for x in _log(r, e["shards"]["log"]) if "op" in x]
+    assert sum(x["opens"] for x in files) == n, "the file-per-sample epoch did not open one file per sample"
+    opens = sum(x["opens"] for x in shards)
+    assert opens <= max(1, n // 5) and opens <= e["written"]["files"], \
+        f"the shards' epoch opened {opens} files for {n} samples in {e['written']['files']} files"
+    assert sum(x["bytes"] for x in shards) == n * size, "the shards' epoch did not move every sample's bytes once"
+    folder = str(_parent(setup["root"], "shards"))
+    index = _index(r, f"{folder}/index.json")
+    assert isinstance(index, list) and len(index) == n, "index.json is not a list with one entry per sample"
+    where = {(f"shards/{x['shard']}", x["offset"], x["length"]): i for i, x in enumerate(index)}
+    read = [(x["name"], x["offset"], x["bytes"]) for x in shards if x["op"] == "read"]
+    assert sorted(where.get(k, -1) for k in read) == list(range(n)), "the reads were not the index's entries, once each"
+    blobs = {}
+    for i, x in enumerate(index):
+        if x["shard"] not in blobs:
+            blobs[x["shard"]] = read_beneath(r[WORKDIR], f"{folder}/{x['shard']}", 64 << 20)
+        assert blobs[x["shard"]][x["offset"]:x["offset"] + x["length"]] == sample_bytes(i, size), \
+            f"sample {i} is not at {x['shard']}:{x['offset']}"
+
+
+def _parent(root, name):
+    return f"{root.rstrip('/')}/{name}"
+
+
+@check(points=3, needs_run=True)
+def sampler_is_disjoint_complete_and_reshuffled(r):
+    """Exercise 2, from the sampler server's log: every reader ran the submitted my_sampler.py, and in every epoch
+    the ranks read disjoint samples that together are all of them, their counts within one, each read where the
+    layout keeps its sample; each rank's samples changed from epoch to epoch."""
+    s, n = r["sampler_run"], r["setup"]["samples"]
+    entries = _log(r, s["log"])
+    sha = _sha(r, "my_sampler.py")
+    ranks = {e["rank"] for e in entries if e.get("event") == "connect" and (e.get("code") or {}).get("my_sampler.py")
+             == sha}
+    assert ranks == set(range(s["world"])), f"readers that ran the submitted my_sampler.py: {sorted(ranks)}"
+    index = None
+    if s["layout"] == "shards":
+        index = [{**x, "shard": f"shards/{x['shard']}"} for x in _index(r, s["index"])]
+    v = sampler_verdict(entries, n, s["world"], s["epochs"], index)
+    bad = [k for k in ("disjoint", "complete", "balanced", "reshuffled") if not v[k]]
+    assert not bad, f"the sampler's epochs were not {', '.join(bad)}: " + "; ".join(
+        f"epoch {p['epoch']}: counts {p['counts']}, {p['overlap']} read twice, {p['covered']} of {n} covered"
+        for p in v["epochs"])
+    assert v["misplaced"] == 0, f"{v['misplaced']} reads were not where their sample is kept"
+
+
+def _row(r, policy):
+    rows = {row["policy"]: row for row in r["fair_share"]["rows"]}
+    assert policy in rows, f"the policy {policy} was not run"
+    return rows[policy]
+
+
+@check(points=3, needs_run=True)
+def policy_holds_job_fair_shares(r):
+    """Exercise 3, from the server that ran my_policy.pick: it ran the submitted my_policy.py without an error, and
+    while all three jobs read, each got within 10 % of a third of the bytes."""
+    row = _row(r, "my_policy:pick")
+    entries = _log(r, row["log"])
+    start = next(e for e in entries if e.get("event") == "start")
+    assert start["policy"] == "my_policy:pick" and start["code"].get("my_policy.py") == _sha(r, "my_policy.py"), \
+        "that server did not run the submitted my_policy.py"
+    errors = [e["error"] for e in entries if e.get("event") == "policy_error"]
+    assert not errors, f"the policy failed in the server ({errors[0]}): it served first come, first served"
+    got = shares(entries)
+    third = 1 / len(r["fair_share"]["jobs"])
+    off = {job: share for job, share in got.items() if abs(share / third - 1) > FAIR}
+    assert not off and len(got) == len(r["fair_share"]["jobs"]), \
+        f"shares {', '.join(f'{j} {s:.2f}' for j, s in got.items())}: not each within 10 % of {third:.2f}"
 
 
 @check(points=1, needs_run=True)
-def format_rows_are_consistent(r):
-    """Every format row's samples/s is its samples over its elapsed time; files opens once per sample."""
-    for row in r["formats"]:
-        assert math.isclose(row["samples_per_s"], row["samples"] / row["elapsed_s"], rel_tol=1e-6), row["layout"]
-    for where in ("local", "pfs"):
-        row = _row(r["formats"], layout="files", where=where)
-        assert row["opens"] == row["samples"], f"files/{where}: {row['opens']} opens for {row['samples']} samples"
-
-
-@check(points=2, needs_run=True)
-def needed_threads_follows_from_the_unprefetched_run(r):
-    """needed_threads is ceil(read+decode time per batch / compute time) of the 0-thread run."""
-    row = _row(r["prefetch_sweep"], threads=0)
-    want = math.ceil((row["read_s"] + row["decode_s"]) / row["batches"] / (r["pfs_params"]["compute_ms"] / 1000))
-    assert r["needed_threads"] == want, f"needed_threads {r['needed_threads']} does not follow from the sweep"
+def fifo_is_not_fair(r):
+    """From the FIFO server's log: some job's share is more than 10 % away from a third (the jobs ask unevenly)."""
+    got = shares(_log(r, _row(r, "fifo")["log"]))
+    third = 1 / len(got)
+    assert max(abs(s / third - 1) for s in got.values()) > FAIR, f"FIFO gave {got}: the jobs did not contend"
 
 
 @check(points=1, needs_run=True)
-def chosen_threads_is_the_smallest_good_count(r):
-    """chosen_threads is the smallest count within 90 % of the best throughput."""
-    rows = {row["threads"]: row["samples_per_s"] for row in r["prefetch_sweep"]}
-    best = max(rows.values())
-    assert r["chosen_threads"] == min(w for w, v in rows.items() if v >= 0.9 * best), "not the smallest such count"
+def recorded_shares_are_the_logs(r):
+    """Every policy's recorded shares are what its server's log shows."""
+    for row in r["fair_share"]["rows"]:
+        got = shares(_log(r, row["log"]))
+        for job, x in row["jobs"].items():
+            assert math.isclose(got.get(job, 0.0), x["share"], rel_tol=1e-9, abs_tol=1e-12), f"{row['policy']}: {job}'s share"
+
+
+def _engine_rows(r):
+    rows = {row["name"]: row for row in r["engine_runs"]}
+    beside = [x for n, x in rows.items() if n.startswith("engine-beside")]
+    assert "engine-alone" in rows and beside, f"runs recorded: {sorted(rows)}"
+    return rows["engine-alone"], beside[0]
+
+
+def _run_requests(r, row):
+    job = row["run_dir"].rstrip("/").rsplit("/", 1)[-1]
+    entries = [e for e in _log(r, row["log"]) if "op" in e]
+    return [e for e in entries if e["job"] == job], [e for e in entries if e["job"] != job]
 
 
 @check(points=2, needs_run=True)
-def lru_hit_rate_matches_the_simulation(r):
-    """lru_hit_rate equals the library's LRU simulation of the same order and capacity."""
-    assert math.isclose(r["lru_hit_rate"], r["reuse"]["lru_hit_rate_lib"], abs_tol=1e-9), \
-        f"{r['lru_hit_rate']} vs simulated {r['reuse']['lru_hit_rate_lib']}"
-
-
-@check(points=2, needs_run=True)
-def efficiency_follows_from_the_parameters(r):
-    """predicted_efficiency is ((ranks - 1) + s) / (ranks * s)."""
-    p = r["pfs_params"]
-    n, s = p["ranks"], p["straggler_slowdown"]
-    assert math.isclose(r["predicted_efficiency"], (n - 1 + s) / (n * s), rel_tol=1e-9), "not the formula"
-
-
-@check(points=1, needs_run=True)
-def straggler_rows_are_consistent(r):
-    """Each straggler result's efficiency is its mean busy time over its step time, and the straggler is the
-    rank that never waits."""
-    for name, res in r["straggler"].items():
-        busy = sum(res["rank_busy_s"]) / len(res["rank_busy_s"])
-        assert math.isclose(res["efficiency"], busy / res["step_s"], rel_tol=1e-6), name
-    slow = r["straggler"]["straggler"]
-    assert slow["wait_s"][-1] == min(slow["wait_s"]), "the slow rank should wait least"
+def engine_runs_read_through_the_server(r):
+    """Each training run is a real run (its event files) whose every rank read its samples from the server (the
+    server's log names them under the run's folder name); the recorded numbers are the run's and the log's."""
+    for row in _engine_rows(r):
+        found = evidence(r, row["run_dir"])
+        close(found["samples_per_s"], row["samples_per_s"], what=f"{row['name']} samples/s")
+        close(found["final_loss"], row["final_loss"], what=f"{row['name']} final loss")
+        mine, _ = _run_requests(r, row)
+        ranks = sorted({e["rank"] for e in mine})
+        assert ranks == list(range(found["world_size"])), f"{row['name']}: the server served ranks {ranks}"
+        assert sum(e["bytes"] for e in mine) == row["bytes"] > 0, f"{row['name']}: bytes are not the log's"
 
 
 @check(points=1, needs_run=True)
-def order_aware_counts_add_up(r):
-    """Order-aware hits + misses cover every access; it never reads more than once per access."""
-    aware = _row(r["order_aware"], policy="order-aware")
-    assert aware["hits"] + aware["misses"] == aware["accesses"]
-    assert aware["fetches"] <= aware["accesses"]
+def contention_slows_the_training_run(r):
+    """From the two servers' logs: beside the bulk copy, which read from the same server meanwhile, the run's
+    requests waited at least twice as long on average as alone."""
+    alone, beside = _engine_rows(r)
+    wait = {}
+    for row in (alone, beside):
+        mine, others = _run_requests(r, row)
+        wait[row["name"]] = sum(e["wait"] for e in mine) / max(1, len(mine))
+    _, others = _run_requests(r, beside)
+    assert sum(e["bytes"] for e in others) > 0, "nothing else read from the server beside the run"
+    assert wait[beside["name"]] > 2 * wait["engine-alone"], \
+        f"mean wait per request: {1e3 * wait['engine-alone']:.2f} ms alone, {1e3 * wait[beside['name']]:.2f} ms beside"

@@ -163,12 +163,20 @@ class Server:
         self.sizes: dict[str, int] = {}
         self.policy_errors = 0
         self.t0 = time.monotonic()
+        self._log_lock = threading.Lock()
         self.log = open(log_path, "a", buffering=1)
         self._write({"event": "start", "policy": policy, "code": self.code, "bandwidth": bandwidth,
                      "opens_per_s": opens_per_s, "root": str(self.root), "pid": os.getpid(), "time": time.time()})
 
     def _write(self, entry: dict) -> None:
-        self.log.write(json.dumps(entry) + "\n")
+        with self._log_lock:  # the dispatcher and the connections' threads both write
+            self.log.write(json.dumps(entry) + "\n")
+
+    def connected(self, hello: dict) -> None:
+        """Log a client's hello: who it says it is, and the code it runs (`code`: {file: sha256}), if it says."""
+        with self.cond:
+            self._write({"event": "connect", "t": round(time.monotonic() - self.t0, 6),
+                         **{k: hello.get(k) for k in ("job", "user", "rank", "host", "job_size", "code")}})
 
     def path(self, name: str) -> Path:
         """`name` beneath the root; anything that would leave it is refused."""
@@ -261,7 +269,8 @@ class _Handler(socketserver.StreamRequestHandler):
             msg = json.loads(line)
             if hello is None:
                 hello = msg
-                self._reply({"ok": True})
+                server.connected(hello)
+                self._reply({"ok": True, "root": str(server.root)})
                 continue
             if msg.get("op") == "stats":
                 with server.cond:
@@ -374,19 +383,20 @@ class ServerProcess:
 
 
 class StorageClient:
-    """One reader's connection: it says who it is once (job, user, rank, host, job size), then asks for files.
+    """One reader's connection: it says who it is once (job, user, rank, host, job size, and the student's code it
+    runs as {file: sha256}, all logged), then asks for files.
     `tag` (e.g. the epoch) goes with every request into the server's log."""
 
     def __init__(self, address: str, job: str, user: str = "", rank: int = 0, host: str | None = None,
-                 job_size: int = 1, timeout: float = 120):
+                 job_size: int = 1, code: dict | None = None, timeout: float = 120):
         host_name, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host_name, int(port)), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rfile = self.sock.makefile("rb")
         self.tag = None
         self.waited = 0.0
-        self._ask({"op": "hello", "job": job, "user": user or job, "rank": rank,
-                   "host": host or socket.gethostname(), "job_size": job_size})
+        self.root = self._ask({"op": "hello", "job": job, "user": user or job, "rank": rank,
+                               "host": host or socket.gethostname(), "job_size": job_size, "code": code})[0]["root"]
 
     def _ask(self, msg: dict) -> tuple[dict, bytes]:
         self.sock.sendall(json.dumps(msg).encode() + b"\n")

@@ -26,7 +26,11 @@ def data_key(data, seed: int) -> str:
 
 
 def store_for(directory, data) -> LocalStore:
-    """The store a run reads through: throttled when the spec asks for latency or a bandwidth cap."""
+    """The store a run reads through: a storage server's (data.server), or throttled when the spec asks for latency
+    or a bandwidth cap."""
+    if data.server:  # shared with every other job reading from that server (data/storage_server.py)
+        from .server_store import ServerStore
+        return ServerStore(data.server, directory)
     if data.open_latency_ms or data.read_mb_per_s:
         return ThrottledStore(directory, data.open_latency_ms / 1000.0, data.read_mb_per_s * 1e6)
     return LocalStore(directory)

@@ -34,11 +34,16 @@ FILES = "files"
 INDEX = "index.json"
 """The student's shard index: a list, in sample order, of {"shard": file name, "offset": int, "length": int}."""
 
-JOBS = [{"job": "train-a", "user": "alice", "ranks": 1, "chunk": 32768},
-        {"job": "train-b", "user": "bob", "ranks": 2, "chunk": 32768},
-        {"job": "bulk-c", "user": "bob", "ranks": 1, "chunk": 131072}]
-"""Three concurrent jobs of different sizes: two training jobs reading 32 KiB chunks and a bulk copy reading
-128 KiB ones; bob runs two of them."""
+def make_jobs(chunk: int = 32768) -> list[dict]:
+    """Three concurrent jobs of different sizes: alice's 1-rank and bob's 2-rank training jobs read `chunk`-byte
+    pieces, bob's 1-rank bulk copy reads pieces 4 times larger."""
+    return [{"job": "train-a", "user": "alice", "ranks": 1, "chunk": chunk},
+            {"job": "train-b", "user": "bob", "ranks": 2, "chunk": chunk},
+            {"job": "bulk-c", "user": "bob", "ranks": 1, "chunk": 4 * chunk}]
+
+
+JOBS = make_jobs()
+"""The three jobs at 32 KiB pieces."""
 
 
 # -- the data --------------------------------------------------------------------------------------------------
@@ -94,47 +99,66 @@ def ready() -> int:
     return os.getpid()
 
 
-def _client(role, address):
+def _client(role, address, code=None):
     return StorageClient(address, job=role["job"], user=role.get("user", ""), rank=role.get("rank", 0),
-                         job_size=role.get("job_size", 1))
+                         job_size=role.get("job_size", 1), code=code)
 
 
 def _scan(role, address) -> dict:
-    """Read `chunk`-byte pieces of the stream file from start_at until deadline (wall clock), with `depth`
-    requests in flight (a thread and a connection each, like a loader's read-ahead)."""
+    """Read `chunk`-byte pieces of the stream file with `depth` requests in flight (a thread and a connection each,
+    like a loader's read-ahead): each connection opens the file, says it is ready (a file beside `go_file`) and waits
+    for the go; then it reads for `seconds`, or until `stop_file` appears."""
     depth = role.get("depth", 2)
-    got = [0] * depth
+    got, started = [0] * depth, [0.0] * depth
 
     def loop(k):
         size, chunk = role["stream_bytes"], role["chunk"]
         with _client(role, address) as c:
             c.tag = role["tag"]
             c.open(STREAM)
-            _sleep_until(role["start_at"])
+            deadline = _ready_and_go(role, k) + role["seconds"]
+            started[k] = time.time()
+            stop = Path(role["stop_file"]) if role.get("stop_file") else None
             piece = (role.get("rank", 0) * depth + k) * 7
-            while time.time() < role["deadline"]:
+            while time.time() < deadline and not (stop and stop.exists()):
                 got[k] += len(c.read(STREAM, (piece * chunk) % (size - chunk), chunk))
                 piece += 1
     threads = [threading.Thread(target=loop, args=(k,)) for k in range(depth)]
-    t0 = max(time.time(), role["start_at"])
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.time() - t0
+    elapsed = time.time() - min(started)
     return {"job": role["job"], "rank": role.get("rank", 0), "bytes": sum(got), "seconds": elapsed,
             "bytes_per_s": sum(got) / elapsed if elapsed else 0.0, "pid": os.getpid()}
 
 
+def _ready_and_go(role, k: int, timeout: float = 120) -> float:
+    """Say this connection is ready, wait for the go (every reader starts within a few ms of the others, however
+    late the pool's processes picked up the job); the time it went."""
+    go = role.get("go_file")
+    if not go:
+        return time.time()
+    Path(f"{go}.ready.{role['job']}.{role.get('rank', 0)}.{k}").touch()
+    end = time.time() + timeout
+    while not os.path.exists(go) and time.time() < end:
+        time.sleep(0.002)
+    return time.time()
+
+
 def _epochs(role, address, seed) -> dict:
-    """Read `epochs` epochs of the samples this rank's sampler gives it, from the shards (index.json) when there
-    are any, else from the file-per-sample layout; every request is tagged {epoch, sample}."""
+    """Read `epochs` epochs of the samples this rank's sampler gives it, from the shards (index) when there are
+    any, else from the file-per-sample layout; every request is tagged {epoch, sample}. A sampler that raises
+    NotImplementedError ends the rank's part with `not_implemented` (the other ranks' runs are unaffected)."""
     sampler, sha = _load(role["sampler"])
     index = role.get("index")
     counts = []
-    with _client(role, address) as c:
+    with _client(role, address, code=sha) as c:
         for epoch in range(role["epochs"]):
-            mine = [int(i) for i in sampler(role["samples"], role["rank"], role["world"], epoch, seed)]
+            try:
+                mine = [int(i) for i in sampler(role["samples"], role["rank"], role["world"], epoch, seed)]
+            except NotImplementedError as e:
+                return {"rank": role["rank"], "not_implemented": str(e) or "exercise", "code": sha}
             opened, bad = set(), 0
             for i in mine:
                 c.tag = {"epoch": epoch, "sample": i}
@@ -159,19 +183,13 @@ def _load(ref: str):
     return getattr(module, name), {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
-def _sleep_until(t: float) -> None:
-    delay = t - time.time()
-    if delay > 0:
-        time.sleep(delay)
-
-
 # -- the experiments -------------------------------------------------------------------------------------------
 class StorageLab:
     """A pool of reader processes and a folder of server runs (one server per measurement, each with its log)."""
 
-    def __init__(self, root, runs_dir, readers: int = 4, opens_per_s: float = 400.0, start_delay_s: float = 0.5):
+    def __init__(self, root, runs_dir, readers: int = 4, opens_per_s: float = 400.0):
         self.root, self.runs_dir = Path(root), Path(runs_dir)
-        self.readers, self.opens_per_s, self.start_delay_s = readers, opens_per_s, start_delay_s
+        self.readers, self.opens_per_s = readers, opens_per_s
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.pool = SpmdPool(readers, init="none", threads=1, run_dir=self.runs_dir / "pool")
         self.stream_bytes = (self.root / STREAM).stat().st_size
@@ -200,16 +218,43 @@ class StorageLab:
     def _run(self, roles, address, timeout=120) -> list:
         return self.pool.run("scalelab.experiments.storage:reader", timeout=timeout, roles=roles, address=address)
 
+    def _run_together(self, roles, address, timeout=120) -> list:
+        """Run scanning roles that all start at one go: once every connection has said it is ready."""
+        go = self.runs_dir / f"go-{time.time_ns()}"
+        for role in roles:
+            if role:
+                role["go_file"] = str(go.resolve())
+        want = sum(role.get("depth", 2) for role in roles if role)
+        result: list = []
+        errors: list = []
+
+        def run():
+            try:
+                result.extend(self._run(roles, address, timeout))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        end = time.time() + timeout
+        while t.is_alive() and len(list(self.runs_dir.glob(f"{go.name}.ready.*"))) < want and time.time() < end:
+            time.sleep(0.005)
+        go.touch()
+        t.join()
+        for p in self.runs_dir.glob(f"{go.name}*"):
+            p.unlink()
+        if errors:
+            raise errors[0]
+        return result
+
     def scaling(self, counts, bandwidth: float, seconds: float, chunk: int = 32768) -> dict:
         """For each N in `counts`: N readers scan the stream through one server for `seconds`; per-reader and total
         bandwidth from the server's log. Returns {"rows": [...], "log": path relative to runs_dir's parent}."""
         with self.server("scaling", bandwidth) as srv:
             for n in counts:
-                start = time.time() + self.start_delay_s
                 roles = [{"kind": "scan", "job": f"scan-{n}", "rank": r, "job_size": n, "tag": f"scale-{n}",
-                          "chunk": chunk, "start_at": start, "deadline": start + seconds,
-                          "stream_bytes": self.stream_bytes} if r < n else None for r in range(self.readers)]
-                self._run(roles, srv.address)
+                          "chunk": chunk, "seconds": seconds, "stream_bytes": self.stream_bytes}
+                         if r < n else None for r in range(self.readers)]
+                self._run_together(roles, srv.address)
         entries = read_log(srv.log_path)
         return {"rows": [scaling_row(entries, n, bandwidth) for n in counts], "log": str(srv.log_path)}
 
@@ -219,29 +264,62 @@ class StorageLab:
         with the whole server); one row per policy with each job's share, target and slowdown, from the logs."""
         with self.server("alone", bandwidth) as srv:  # each job by itself, one after the other
             for job in jobs:
-                self._run(self._job_roles([job], seconds / 2), srv.address)
+                self._run_together(self._job_roles([job], seconds / 2), srv.address)
         alone = job_rates(read_log(srv.log_path))
         rows = []
         for policy in policies:
             code = None if policy in BUILTIN else str(Path(code_dir) / f"{policy.partition(':')[0]}.py")
             name = "policy-" + policy.replace(":", "-")
             with self.server(name, bandwidth, policy, code) as srv:
-                self._run(self._job_roles(jobs, seconds), srv.address)
+                self._run_together(self._job_roles(jobs, seconds), srv.address)
             entries = read_log(srv.log_path)
             rows.append(share_row(entries, jobs, policy, alone) | {"log": str(srv.log_path)})
         return rows
 
     def _job_roles(self, jobs, seconds):
-        start = time.time() + self.start_delay_s
         roles = []
         for job in jobs:
             for r in range(job["ranks"]):
                 roles.append({"kind": "scan", "job": job["job"], "user": job["user"], "rank": r,
-                              "job_size": job["ranks"], "tag": job["job"], "chunk": job["chunk"], "start_at": start,
-                              "deadline": start + seconds, "stream_bytes": self.stream_bytes})
+                              "job_size": job["ranks"], "tag": job["job"], "chunk": job["chunk"], "seconds": seconds,
+                              "stream_bytes": self.stream_bytes})
         if len(roles) > self.readers:
             raise ValueError(f"the jobs need {len(roles)} reader processes; the pool has {self.readers}")
         return roles + [None] * (self.readers - len(roles))
+
+    def engine_beside(self, spec, bandwidth: float, job: dict | None = None, timeout: float = 300) -> dict:
+        """An engine run (`spec`, a RunSpec) whose ranks read its shards through a server of its own; with `job`,
+        that job's readers read from the same server for as long as the run lasts. The run's row: its summary, and
+        from the server's log its ranks' requests, bytes and mean wait per request."""
+        from ..launch import launch
+        name = "engine-" + ("beside-" + job["job"] if job else "alone")
+        with self.server(name, bandwidth) as srv:
+            # the run's folder (and the shards it writes there) beneath the server's root; its name is the job's
+            spec = spec.with_overrides({"data.server": srv.address, "data.format": "shards",
+                                        "output_dir": str((self.root / "runs" / name).resolve())})
+            stop = self.runs_dir / name / "stop"
+            reading = None
+            if job:
+                roles = self._job_roles([job], timeout)
+                for role in roles:
+                    if role:
+                        role["stop_file"] = str(stop.resolve())
+                reading = threading.Thread(target=self._run, args=(roles, srv.address, timeout + 60))
+                reading.start()
+            try:
+                summary = launch(spec).wait(timeout=timeout)
+            finally:
+                stop.touch()
+                if reading:
+                    reading.join()
+        entries = read_log(srv.log_path)
+        mine = [e for e in _requests(entries) if e["job"] == Path(summary["run_dir"]).name]
+        return {"name": name, "run_dir": summary["run_dir"], "log": str(srv.log_path),
+                "samples_per_s": summary["samples_per_s"], "data_fraction": summary["time_fraction"]["data"],
+                "final_loss": summary["final_loss"], "ranks": sorted({e["rank"] for e in mine}),
+                "requests": len(mine), "bytes": sum(e["bytes"] for e in mine),
+                "mean_wait_ms": 1e3 * sum(e["wait"] for e in mine) / max(1, len(mine)),
+                "other_bytes": sum(e["bytes"] for e in _requests(entries) if e["job"] != Path(summary["run_dir"]).name)}
 
     def epochs(self, name: str, sampler: str, world: int, samples: int, sample_size: int, epochs: int,
                bandwidth: float, index: list | None = None, seed: int = 0) -> dict:
@@ -251,8 +329,11 @@ class StorageLab:
                   "sample_size": sample_size, "epochs": epochs, "sampler": sampler, "index": index}
                  if r < world else None for r in range(self.readers)]
         with self.server(name, bandwidth) as srv:
-            results = self._run(roles, srv.address)
-        return {"readers": [x for x in results if x is not None], "log": str(srv.log_path)}
+            results = [x for x in self._run(roles, srv.address) if x is not None]
+        missing = [x["not_implemented"] for x in results if "not_implemented" in x]
+        return {"readers": results, "log": str(srv.log_path), "not_implemented": missing[0] if missing else "",
+                "layout": "shards" if index else "files", "code": results[0]["code"] if results else {},
+                "verdict": sampler_verdict(read_log(srv.log_path), samples, world, epochs, index)}
 
     def epoch_layouts(self, shards_dir: str | None, samples: int, sample_size: int, bandwidth: float,
                       seed: int = 0) -> dict:
@@ -276,6 +357,25 @@ class StorageLab:
                            "seconds": max(e["t"] for e in entries) - min(e["t"] - e["wait"] for e in entries),
                            "wrong_bytes": result["epochs"][0]["wrong_bytes"], "log": str(srv.log_path)}
         return out
+
+
+def write_student_shards(ref: str, samples: list[bytes], folder, per_shard: int) -> dict:
+    """Call the student's shard writer (`ref` = "module:function", reloaded) on `samples`; what it wrote, or why
+    nothing was (not implemented yet, or it raised)."""
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        fn, sha = _load(ref)
+        fn(samples, str(folder), per_shard)
+    except NotImplementedError:
+        return {"written": False, "why": f"{ref} is not implemented yet"}
+    except Exception as e:  # noqa: BLE001 - the student's code: say what it raised, the lab goes on
+        return {"written": False, "why": f"{ref} raised {type(e).__name__}: {e}"}
+    files = sorted(p.name for p in folder.iterdir())
+    return {"written": (folder / INDEX).is_file(), "files": len(files), "code": sha,
+            "bytes": sum(p.stat().st_size for p in folder.iterdir()),
+            "why": "" if (folder / INDEX).is_file() else f"no {INDEX} in {folder}"}
 
 
 def in_order(n: int, rank: int, world: int, epoch: int, seed: int = 0) -> list[int]:
@@ -381,6 +481,7 @@ def share_row(entries, jobs, policy, alone) -> dict:
     row["worst_error_vs_job_fair"] = max(x["error_vs_job_fair"] for x in row["jobs"].values())
     starts = [e for e in entries if e.get("event") == "start"]
     row["code"] = starts[0]["code"] if starts else {}
+    row["policy_errors"] = [e["error"] for e in entries if e.get("event") == "policy_error"]
     return row
 
 
@@ -425,6 +526,6 @@ def run_log(workdir, path) -> list[dict]:
     return [json.loads(line) for line in read_run_file(workdir, path).splitlines() if line.strip()]
 
 
-__all__ = ["JOBS", "STREAM", "FILES", "INDEX", "StorageLab", "make_data", "sample_bytes", "sample_list",
-           "sample_name", "reader", "in_order", "load_index", "reader_rates", "job_rates", "scaling_row", "window",
+__all__ = ["JOBS", "make_jobs", "STREAM", "FILES", "INDEX", "StorageLab", "make_data", "sample_bytes", "sample_list",
+           "sample_name", "reader", "in_order", "write_student_shards", "load_index", "reader_rates", "job_rates", "scaling_row", "window",
            "shares", "targets", "share_row", "sampler_verdict", "run_log"]

@@ -81,6 +81,10 @@ class DataSpec:
     """Simulated parallel-file-system latency per file open, in ms (formats on disk; 0: none)."""
     read_mb_per_s: float = 0.0
     """Simulated read bandwidth cap per rank in MB/s (formats on disk; 0: none)."""
+    server: str = ""
+    """host:port of a storage server (scalelab.data.storage_server) that every rank reads the on-disk layout through,
+    sharing its bandwidth and metadata budgets with every other job reading from it; the run's output_dir must lie
+    beneath the server's root (formats on disk; empty: read the file system directly)."""
 
 
 @dataclass

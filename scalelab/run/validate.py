@@ -37,6 +37,7 @@ WALLTIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}(:\d{2})?$|^\d+$")
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.\-]*$")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_ADDRESS = re.compile(r"^$|^[A-Za-z0-9_.\-]{1,253}:[0-9]{1,5}$")  # data.server: empty or host:port
 _MEM = re.compile(r"^$|^\d+[KMGT]?$")
 
 
@@ -117,6 +118,7 @@ RULES = {
     "data.compress": (bool, None),
     "data.open_latency_ms": (float, _bounded_float(0.0, 10_000.0)),
     "data.read_mb_per_s": (float, _bounded_float(0.0, 1e6)),
+    "data.server": (str, _regex(_ADDRESS, "empty or host:port (a storage server's address)")),
     "strategy": (str, _choice(STRATEGIES)),
     "backend": (str, _choice(BACKENDS)),
     "device": (str, _choice(DEVICES)),
@@ -304,6 +306,9 @@ def _cross_checks(spec) -> None:
     if spec.data.format == "memory" and (spec.data.open_latency_ms or spec.data.read_mb_per_s):
         raise SpecError("data.format", "is 'memory', but data.open_latency_ms / data.read_mb_per_s simulate a file "
                                        "system: set data.format to files, shards or hdf5")
+    if spec.data.server and spec.data.format == "memory":
+        raise SpecError("data.server", f"got {spec.data.server!r}, but data.format is 'memory': a storage server "
+                                       "serves a layout on disk; set data.format to files, shards or hdf5")
     fsdp_checks(spec)
     kfac_checks(spec)
     mesh_checks(spec)
