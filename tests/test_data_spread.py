@@ -197,6 +197,8 @@ def test_the_node_cache_cuts_shared_fs_reads_after_epoch_one_by_at_least_n_minus
     assert cache["cut"]["node"] >= cache["target"]
     assert rows["cache-node", 1]["cache_reads"] == 64
     assert cache["cut"]["private"] < 0.5  # a rank's own cache holds what it read, not what its node read
+    ax = sx.reads_figure(cache["rows"]).axes[0]
+    assert len(ax.patches) == 4 * len(cache["rows"]) and ax.get_ylabel() == "sample reads"
 
 
 def test_balancing_read_and_decode_threads_measures_each_split_and_predicts_the_balance(data):
@@ -206,6 +208,7 @@ def test_balancing_read_and_decode_threads_measures_each_split_and_predicts_the_
     assert [(r["read_threads"], r["decode_threads"]) for r in res["rows"]] == [(1, 2), (2, 1)]
     assert all(r["samples"] == 16 and r["samples_per_s"] > 0 and r["model_samples_per_s"] > 0 for r in res["rows"])
     assert res["best"] in [(1, 2), (2, 1)] and res["predicted"] in [(1, 2), (2, 1)]
+    assert [p.get_height() for p in sx.balance_figure(res).axes[0].patches] == [r["samples_per_s"] for r in res["rows"]]
     assert res["read_ms"] >= 1.5 and res["decode_ms"] > 0  # a read waits about the store's latency (2 ms)
 
 

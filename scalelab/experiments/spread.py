@@ -247,19 +247,19 @@ def _consumed(events, epoch) -> list:
 def reads_figure(rows, title: str = "Where each epoch's reads came from"):
     """Stacked bars: reads per source (cache, local, remote, shared) for each run and epoch."""
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(max(4.8, 0.9 * len(rows)), 3.2))
+    fig = Figure(figsize=(max(4.8, 0.75 * len(rows) + 1.5), 3.2))
     ax = fig.add_subplot()
-    labels = [f"{r['run']}\nepoch {r['epoch'] + 1}" for r in rows]
+    labels = [r["run"].replace("cache-", "cache\n") + f"\nepoch {r['epoch'] + 1}" for r in rows]
     bottom = np.zeros(len(rows))
     colors = {"cache": "#55a868", "local": "#4c72b0", "remote": "#dd8452", "shared": "#c44e52"}
     for s in SOURCES:
         values = np.array([r[f"{s}_reads"] for r in rows], dtype=float)
         ax.bar(range(len(rows)), values, bottom=bottom, color=colors[s], label=s)
         bottom += values
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("sample reads")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
