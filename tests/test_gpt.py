@@ -11,7 +11,7 @@ from scalelab.data import pysrc
 from scalelab.data.loader import build_eval_set
 from scalelab.errors import SpecError
 from scalelab.launch import launch
-from scalelab.train.gpt import GPT, Throughput, build_gpt, flops_per_token, held_out_loss
+from scalelab.train.gpt import GPT, Throughput, build_gpt, device_peak, flops_per_token, held_out_loss
 
 from helpers import final_params, tiny
 
@@ -108,3 +108,20 @@ def test_a_bad_gpt_setting_names_the_field(tmp_path, changes, field, hint):
     with pytest.raises(SpecError) as err:
         tiny(tmp_path, **changes)
     assert err.value.field == field and hint in str(err.value)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_gpt_reports_its_mfu_and_bf16_outruns_fp32(tmp_path):
+    # not run yet on a GPU (written without one): tools/gpu_check.sh runs it there (it greps for mark.gpu)
+    speed = {}
+    for precision in ("fp32", "bf16"):
+        run = launch(tiny(tmp_path, precision, workers=1, **{**GPT_TINY, "model.preset": "small", "data.seq_len": 256,
+                                                            "data.samples": 2048, "optim.batch_per_worker": 16},
+                          steps=12, device="cuda", precision=precision))
+        run.wait(timeout=300)
+        steps = [e for e in run.events() if e["type"] == "step"][4:]  # past the first steps' kernel selection
+        assert all(e["mfu"] is None or 0 < e["mfu"] < 1 for e in steps)
+        speed[precision] = sorted(e["tokens_per_s"] for e in steps)[len(steps) // 2]
+        if device_peak(torch.device("cuda", 0), precision)[0] is not None:  # a device PEAK_TFLOPS names
+            assert steps[-1]["mfu"] is not None and steps[-1]["peak_tflops"] > 0
+    assert speed["bf16"] > speed["fp32"], speed
