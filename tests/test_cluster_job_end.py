@@ -73,7 +73,7 @@ def accounts():
 
 def _submit(cluster, user: str, script: str, folder: Path, *extra: str) -> str:
     r = subprocess.run(["runuser", "-u", user, "--", "sbatch", "--parsable", f"--chdir={folder}",
-                        f"--output={folder}/%j.out", "--time=5", *extra, "--wrap", script],
+                        f"--output={folder}/%j.out", *(extra or ("--time=5",)), "--wrap", script],
                        env={**os.environ, **cluster.env()}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0]
@@ -151,3 +151,15 @@ def test_a_job_that_asked_for_a_gpu_sees_only_its_own(nodes_cluster, accounts, f
                        env={**os.environ, **nodes_cluster.env()}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[0]", r.stdout
+
+
+def test_a_job_past_the_partitions_time_limit_is_refused_at_submission(slurm_cluster, accounts, folder):
+    from scalelab.cluster.conf import MAX_TIME
+    student, _ = accounts
+    for limit in ("UNLIMITED", "13:00:00"):
+        r = subprocess.run(["runuser", "-u", student, "--", "sbatch", f"--chdir={folder}", "--output=/dev/null",
+                            f"--time={limit}", "--wrap", "true"],
+                           env={**os.environ, **slurm_cluster.env()}, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "time limit" in r.stderr.lower(), (limit, r.stdout, r.stderr)
+    ok = _submit(slurm_cluster, student, "true", folder, f"--time={MAX_TIME}")  # control: at the limit it runs
+    _wait(lambda: _state(slurm_cluster, ok) in ("COMPLETED", "GONE"), 60, f"job {ok} to run")

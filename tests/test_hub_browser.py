@@ -34,7 +34,7 @@ def hub(tmp_path_factory):
     work = tmp_path_factory.mktemp("hub-browser")
     (work / "labs" / "01_intro").mkdir(parents=True)
     (work / "labs" / "01_intro" / "lab.ipynb").write_text(json.dumps(NOTEBOOK))
-    runner = HubRunner(work, mode="local", settings={"kernels": {"install": True}})
+    runner = HubRunner(work, mode="local", settings={"kernels": {"install": True}}, admins=["teacher"])
     runner.start()
     yield runner
     runner.cleanup()
@@ -82,6 +82,94 @@ def test_log_in_start_lab_open_a_lab_and_run_a_cell(hub, browser):
         raise
     finally:
         page.close()
+
+
+READ_THE_HUB = """
+(async () => {  // what a page at the hub's origin can do with the viewer's cookies: the XSRF token from a hub page,
+  const home = await (await fetch("/hub/home", {credentials: "include"})).text();  // then the API with it
+  const xsrf = (home.match(/xsrf_token: "([^"]+)"/) || [])[1] || "";
+  const r = await fetch("/hub/api/user", {credentials: "include", headers: {"X-XSRFToken": xsrf}});
+  return r.status + " " + (await r.text()).slice(0, 300);
+})()"""
+EVIL_PAGE = """<html><head><title>not run</title></head><body><script>
+document.title = "ran";
+%s.then(t => document.body.setAttribute("data-leak", "read: " + t))
+  .catch(e => document.body.setAttribute("data-leak", "blocked"));
+</script></body></html>""" % READ_THE_HUB.strip()
+
+
+def test_a_page_a_student_serves_never_acts_as_the_instructor_who_opens_it(hub, browser):
+    """Attack on the one-origin default: a student serves a page whose script reads the hub API as whoever views
+    it, and waits for the instructor (an admin) to "take a look". The page runs sandboxed (jupyter_server's CSP
+    sandbox: a unique origin), so its script reads nothing of the hub with the viewer's cookies; the student's own
+    server config, which switches the sandbox off here, is ignored (JUPYTERHUB_DISABLE_USER_CONFIG). Controls:
+    the script does run (it is the fetch that is refused), and the same fetch from the hub's own origin reads."""
+    alice, teacher = hub.login("evilalice"), hub.login("teacher")
+    alice.spawn()
+    alice.wait_ready()
+    r = requests.put(f"{hub.url}/user/{alice.name}/api/contents/evil.html", timeout=30,
+                     headers={"Authorization": f"token {alice.token}"},
+                     json={"type": "file", "format": "text", "content": EVIL_PAGE})
+    assert r.status_code in (200, 201), r.text[:200]
+    [server] = [p for p in psutil.process_iter(["cmdline"]) if "jupyterhub-singleuser" in
+                " ".join(p.info["cmdline"] or []) and p.environ().get("JUPYTERHUB_USER") == alice.name]
+    # the student's own server config (written from a terminal; it is Python run in their server) switches the
+    # sandbox off, and the student restarts the server to load it
+    config = os.path.join(server.environ()["HOME"], ".jupyter", "jupyter_server_config.py")
+    os.makedirs(os.path.dirname(config), exist_ok=True)
+    with open(config, "w") as f:
+        f.write("import os, jupyter_server.files.handlers as h\n"
+                "open(os.path.join(os.path.dirname(__file__), 'loaded'), 'w').close()\n"
+                "h.FilesHandler.content_security_policy = property(lambda self: \"frame-ancestors 'self'\")\n")
+    alice.stop()
+    alice.wait_gone()
+    alice.spawn()
+    alice.wait_ready()
+    evil = f"{hub.url}/user/{alice.name}/files/evil.html"
+
+    def open_as(user: str):
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(f"{hub.url}/hub/login")
+        page.fill("input[name=username]", user)
+        page.fill("input[name=password]", hub.password_of(user))
+        page.click("#login_submit")
+        page.wait_for_load_state("networkidle")
+        response = page.goto(evil)
+        page.wait_for_load_state("networkidle")
+        if "/oauth2/authorize" in page.url:  # an admin opening another's server confirms it first (and does)
+            with page.expect_navigation():
+                page.click("button[type=submit]:has-text('Authorize')")
+            response = page.goto(evil)
+            page.wait_for_load_state("networkidle")
+        leak = page.evaluate("document.body && document.body.getAttribute('data-leak')")
+        deadline = time.monotonic() + 10
+        while page.title() == "ran" and leak is None and time.monotonic() < deadline:  # the fetch may be slow
+            time.sleep(0.2)
+            leak = page.evaluate("document.body.getAttribute('data-leak')")
+        out = (response.status if response else None, page.title(), leak, page.url)
+        context.close()
+        return out
+
+    assert not os.path.exists(os.path.join(os.path.dirname(config), "loaded")), "the student's config was loaded"
+    for viewer in (teacher.name, alice.name):
+        status, title, leak, url = open_as(viewer)
+        assert (status, title) == (200, "ran"), (viewer, status, title, url)  # the script runs...
+        assert leak == "blocked", f"the student's page read the hub as {viewer}: {leak!r}"  # ...and reads nothing
+    context = browser.new_context()  # control: the same fetch from a hub page (not sandboxed) reads as the viewer
+    page = context.new_page()
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("input[name=username]", teacher.name)
+    page.fill("input[name=password]", hub.password_of(teacher.name))
+    page.click("#login_submit")
+    page.wait_for_load_state("networkidle")
+    page.goto(f"{hub.url}/hub/home")
+    seen = page.evaluate(READ_THE_HUB)
+    context.close()
+    assert seen.startswith("200 ") and teacher.name in seen, f"the control read {seen!r}: no leak could be seen"
+    alice.stop()
+    alice.wait_gone()
 
 
 def test_tensorboard_in_jupyterlab_shows_a_runs_scalars_and_memory_is_in_the_status_bar(hub, browser):

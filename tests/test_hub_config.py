@@ -238,7 +238,11 @@ def test_subdomains_give_each_server_its_own_origin_and_their_absence_is_said(cf
     cfg["hub"]["ip"] = "0.0.0.0"
     cfg["auth"].update(any_name=False, allowed_users=["ann", "bob"])
     said = [w for w in warnings(cfg) if w.startswith("hub.subdomain_host")]
-    assert said and "an instructor included" in said[0]  # serving the network, one address for all: said
+    assert said and "Subdomains add what one address cannot" in said[0]  # serving the network, one address: said
+    assert "an instructor included" in said[0] and "run sandboxed" in said[0]
+    c = Config()
+    hubconf.update_hub(c, cfg)  # one origin: a student's own server config never loads
+    assert c.Spawner.disable_user_config is True
     cfg["hub"]["subdomain_host"] = "https://hub.example.org"
     c = Config()
     hubconf.update_hub(c, cfg)

@@ -386,3 +386,28 @@ def test_a_port_reported_while_squeue_answers_is_not_taken_for_a_lagging_squeue(
     with sock:
         assert run(start_and_drive(spawner, fake, steps)) == ("127.0.0.1", port)
     assert len(fake.calls("squeue")) >= 2, "the stale PENDING answer was followed by a fresh question"
+
+
+def test_named_servers_do_not_multiply_the_profile_limits(spawner, fake):
+    # Attack: a student with named servers started one GPU server per name, each within its profile, and so held
+    # several GPUs (and CPUs) at once. Their total is now held to one student's share: by default what the largest
+    # profile needs. Controls: the first GPU server, a second one once the first has stopped, CPU servers beside it.
+    fake.update(partitions=["cpu|(null)", "gpu|gpu:tesla:4(S:0-1)"])
+    others = {}
+    spawner.user.spawners = others
+
+    def running(name, profile):
+        others[name] = SimpleNamespace(active=True, pending=None, user_options={"profile": profile})
+
+    run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))  # no other server: accepted
+    running("first", "gpu-1h")
+    with pytest.raises(web.HTTPError) as e:
+        run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
+    assert e.value.status_code == 400
+    assert "would hold 2 CPUs and 2 GPUs; a student may hold 1 CPUs and 1 GPUs at once" in e.value.log_message
+    others["first"].active = False  # stopped: its GPU is free again
+    run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
+    spawner.student_max_cpus = 2   # a course that lets a student keep a CPU server beside a GPU one
+    running("gpu", "gpu-1h")
+    run(spawner._apply_course_options(spawner, {"profile": "cpu-1h"}))
+    assert spawner.job_request.profile.name == "cpu-1h" and fake.calls("sbatch") == []

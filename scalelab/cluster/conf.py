@@ -19,6 +19,9 @@ CTLD_PORT = 6817
 SLURMD_PORT = 6818
 #: Jobs that may share one core (see OVERSUBSCRIBE comment in slurm_conf_text).
 OVERSUBSCRIBE = 8
+#: The longest job a partition takes (a centre's partitions have a MaxTime too): the hub's profiles ask for 2 h at
+#: most; a student's own sbatch for longer is refused at submission (EnforcePartLimits), not left running for ever.
+MAX_TIME = "12:00:00"
 
 
 @dataclass(frozen=True)
@@ -186,9 +189,10 @@ def multinode_conf_text(*, cluster_name: str, ctld_host: str, ctld_addr: str, no
 def _node_and_partition_lines(node_lines: list[str], names: str, gpus: int, oversubscribe: int) -> list[str]:
     lines = ["GresTypes=gpu"] if gpus else []
     lines += ["", *node_lines, "",
-              f"PartitionName=cpu Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:{oversubscribe}"]
+              f"PartitionName=cpu Nodes={names} Default=YES MaxTime={MAX_TIME} State=UP"
+              f" OverSubscribe=FORCE:{oversubscribe}"]
     if gpus:
-        lines.append(f"PartitionName=gpu Nodes={names} Default=NO MaxTime=INFINITE State=UP"
+        lines.append(f"PartitionName=gpu Nodes={names} Default=NO MaxTime={MAX_TIME} State=UP"
                      f" OverSubscribe=FORCE:{oversubscribe}")
     return lines
 
@@ -235,6 +239,9 @@ def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid
         "SelectTypeParameters=CR_Core_Memory",
         f"DefMemPerCPU={def_mem}",
         "PreemptMode=OFF",
+        # A job over a partition's limits (MaxTime above all) is refused when it is submitted, with the reason,
+        # instead of pending for ever.
+        "EnforcePartLimits=ALL",
         # No slurmdbd: `sacct` does not work. Finished jobs stay in `scontrol show job` for MinJobAge seconds,
         # and every finished job gets one line (with its exit code) in the jobcomp file after that (0600, root's:
         # every classmate's jobs are in it; LocalCluster._seal_accounting).

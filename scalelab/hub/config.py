@@ -28,6 +28,7 @@ CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:se
 DASHBOARD_SCOPES = ["list:users", "read:users", "read:servers"]  # scalelab.hub.dashboard: reads, never acts
 
 
+
 def python_bin(cfg: Mapping) -> str:
     """Directory of the course environment's executables (jupyterhub-singleuser, python)."""
     return cfg["servers"].get("python_bin") or os.path.dirname(sys.executable)
@@ -65,6 +66,11 @@ def update_hub(c, cfg: Mapping) -> None:
     if hub.get("subdomain_host"):  # each server its own origin; cookies bound to the host (__Host- prefix)
         c.JupyterHub.subdomain_host = hub["subdomain_host"]
         c.JupyterHub.cookie_host_prefix_enabled = hub["subdomain_host"].startswith("https://")
+    # One origin for the hub and every server (no subdomain_host): a page a student serves must not act as whoever
+    # opens it. jupyter_server serves a server's files, views and exports under a CSP sandbox (a unique origin: its
+    # scripts cannot read the hub or any server with the viewer's cookies); a student's own ~/.jupyter config (or
+    # data folder's extensions) could switch that off in their server, so it never loads there.
+    c.Spawner.disable_user_config = True
     c.JupyterHub.allow_named_servers = hub["named_servers"] > 0
     c.JupyterHub.named_server_limit_per_user = hub["named_servers"]
     c.JupyterHub.template_vars = {"announcement": cfg["course"]["name"]}
@@ -156,6 +162,8 @@ def update_slurm_spawner(c, cfg: Mapping) -> None:
     s = c.CourseSlurmSpawner
     s.profiles = [asdict(p) for p in profiles_from_settings(slurm)]
     s.default_profile = slurm["default_profile"]
+    s.student_max_cpus = int(slurm["per_student"]["cpus"])
+    s.student_max_gpus = int(slurm["per_student"]["gpus"])
     s.slurm_bin_dir = slurm["bin_dir"]
     s.slurm_conf = slurm["conf"]
     s.exec_prefix = exec_prefix(cfg)

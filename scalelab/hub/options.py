@@ -74,6 +74,16 @@ class Profile:
         return f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpu_type else f"gpu:{self.gpus_per_node}"
 
     @property
+    def cpus(self) -> int:
+        """CPUs of the whole job."""
+        return self.nodes * self.tasks_per_node * self.cpus_per_task
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the whole job."""
+        return self.nodes * self.gpus_per_node
+
+    @property
     def max_seconds(self) -> int:
         """The profile's walltime in seconds."""
         return parse_walltime(self.walltime)
@@ -232,6 +242,25 @@ def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[P
         raise OptionError(f"walltime {format_walltime(seconds)} is longer than profile {profile.display_name!r} "
                           f"allows ({profile.walltime}); ask for {profile.walltime} or less")
     return JobRequest(profile=profile, seconds=seconds)
+
+
+def check_student_total(request: JobRequest, others: Iterable[str], profiles: Iterable[Profile],
+                        max_cpus: int = 0, max_gpus: int = 0) -> None:
+    """OptionError when `request` and the student's other live servers (`others`: their profile names) together
+    ask for more CPUs or GPUs than one student may hold at once. 0 = what the course's largest profile needs (one
+    server of any size, or several small ones): named servers do not multiply the profile limits. A centre's Slurm
+    holds the same line for jobs a student submits itself with a QOS (MaxTRESPerUser)."""
+    profiles = {p.name: p for p in profiles}
+    max_cpus = max_cpus or max((p.cpus for p in profiles.values()), default=0)
+    max_gpus = max_gpus or max((p.gpus for p in profiles.values()), default=0)
+    held = [profiles[name] for name in others if name in profiles]
+    cpus = request.profile.cpus + sum(p.cpus for p in held)
+    gpus = request.profile.gpus + sum(p.gpus for p in held)
+    if cpus > max_cpus or gpus > max_gpus:
+        raise OptionError(f"profile {request.profile.display_name!r} with your {len(held)} other running server(s) "
+                          f"({', '.join(p.display_name for p in held)}) would hold {cpus} CPUs and {gpus} GPUs; a "
+                          f"student may hold {max_cpus} CPUs and {max_gpus} GPUs at once. Stop a server first, or "
+                          "choose a smaller profile")
 
 
 def options_from_form(formdata: Mapping[str, list[str]]) -> dict:

@@ -154,9 +154,13 @@ def warnings(cfg: Mapping) -> list[str]:
                    "other's work and tokens and the hub's secrets (a private try-out only)")
     hub = cfg["hub"]
     if not hub.get("subdomain_host") and hub["ip"] not in ("127.0.0.1", "localhost", "::1") and not single_person(cfg):
-        out.append("hub.subdomain_host: empty, so every student's server shares the hub's address: a page a student "
-                   "serves from theirs runs as whoever opens it, an instructor included (JupyterHub's own advice: "
-                   "subdomains for untrusted users); set it, with wildcard DNS and a certificate")
+        out.append("hub.subdomain_host: empty, so every student's server shares the hub's address. Held here: "
+                   "files a server serves run sandboxed (a unique origin) and a student's own server config, which "
+                   "could switch that off, is ignored. Subdomains add what one address cannot: each server its own "
+                   "origin and cookies, so nothing a student's server sends (a notebook's trusted output, a "
+                   "JupyterLab extension in the course environment) can act on the hub or another server as whoever "
+                   "opens it, an instructor included (JupyterHub's advice for untrusted users); set it, with "
+                   "wildcard DNS and a certificate")
     auth = cfg["auth"]
     if auth["type"] == "shared-password" and not auth.get("per_student_passwords", True) and \
             len([n for n in auth["allowed_users"] if n not in set(cfg["hub"]["admin_users"])]) > 1:

@@ -26,7 +26,7 @@ from pathlib import Path
 import batchspawner  # noqa: F401  (importing it adds its unsafe API handler: replaced just below)
 from batchspawner import JobStatus, SlurmSpawner
 from tornado import web
-from traitlets import Dict, Float, List, Unicode, default
+from traitlets import Dict, Float, Integer, List, Unicode, default
 
 from ..cluster.slurm import job_phase
 from ..errors import SpawnFailed
@@ -34,8 +34,8 @@ from ..paths import read_beneath
 from .api import install_port_handler
 from .batch import default_template_path, render_batch_script
 from .course_spawner import CourseSpawner
-from .options import (OptionError, options_form_html, options_from_form, partition_gpus, profiles_from_settings,
-                      resolve_options, unavailable_reasons)
+from .options import (OptionError, check_student_total, options_form_html, options_from_form, partition_gpus,
+                      profiles_from_settings, resolve_options, unavailable_reasons)
 
 install_port_handler()
 
@@ -45,6 +45,10 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
 
     profiles = List(Dict(), help="Course profiles (dicts of scalelab.hub.options.Profile fields).").tag(config=True)
     default_profile = Unicode("", help="Profile used when the student names none.").tag(config=True)
+    student_max_cpus = Integer(0, help="CPUs one student's servers may hold at once (0 = the largest profile's)."
+                               ).tag(config=True)
+    student_max_gpus = Integer(0, help="GPUs one student's servers may hold at once (0 = the largest profile's)."
+                               ).tag(config=True)
     slurm_bin_dir = Unicode("/usr/bin", help="Absolute directory of sbatch, squeue, scancel, sinfo.").tag(config=True)
     slurm_conf = Unicode("", help="SLURM_CONF for every Slurm command and job ('' = Slurm's default)."
                          ).tag(config=True)
@@ -122,10 +126,21 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
     @staticmethod
     async def _apply_course_options(spawner, user_options):
         try:
-            spawner.job_request = resolve_options(user_options, spawner.course_profiles(), spawner.default_profile,
-                                                  await spawner.unavailable_profiles())
+            request = resolve_options(user_options, spawner.course_profiles(), spawner.default_profile,
+                                      await spawner.unavailable_profiles())
+            check_student_total(request, spawner.other_servers_profiles(), spawner.course_profiles(),
+                                spawner.student_max_cpus, spawner.student_max_gpus)
+            spawner.job_request = request
         except OptionError as e:
             raise web.HTTPError(400, str(e)) from None
+
+    def other_servers_profiles(self) -> list[str]:
+        """The profile names of this student's other servers that are running or starting (named servers)."""
+        names = []
+        for spawner in getattr(self.user, "spawners", {}).values():
+            if spawner is not self and (spawner.active or spawner.pending):
+                names.append(str((spawner.user_options or {}).get("profile") or self.default_profile))
+        return names
 
     # -- running Slurm commands: no shell, absolute paths, explicit environment ------------------------------------
 
