@@ -1,7 +1,8 @@
 """Lab 05 (the data pipeline on shared storage) runs under papermill at its grading parameters and grades 100 %;
-its story holds in the servers' logs; the wrong code of tests/wrong/05.py (a shard per sample, a sampler whose ranks
-overlap, a policy that serves the busiest job first) loses the points of its exercise; a wrong or forged record
-fails the check that guards it."""
+its story holds in the servers' logs and the runs' files; the wrong code of tests/wrong/05.py (a shard per sample, a
+sampler whose ranks overlap, a policy that serves the busiest job first, a read path that always reads the shared
+file system) loses the points of its exercise; a wrong or forged record fails the check that guards it. The 2-node
+spread run (remote reads between namespace nodes) is tests/test_data_spread.py's."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +41,9 @@ def test_reference_numbers_tell_the_lab_story(reference):
     for policy in ("job-fair", "my_policy:pick"):
         got = shares(run_log(r[WORKDIR], fair[policy]["log"]))
         assert all(abs(s * 3 - 1) <= 0.1 for s in got.values()), (policy, got)
+    spread = [row for row in r["spread"]["rows"] if row["run"] == "spread"]
+    assert all(row["shared_reads"] == 0 and row["remote_reads"] > 0 for row in spread)  # FanStore: nodes, peers
+    assert r["cache"]["cut"]["node"] >= r["cache"]["target"] > r["cache"]["cut"]["private"]  # Lobster's node cache
     alone, beside = r["engine_runs"]
     assert alone["final_loss"] == beside["final_loss"]  # the same training, only the wait differs
     assert beside["mean_wait_ms"] > 2 * alone["mean_wait_ms"]
@@ -50,6 +54,8 @@ def test_wrong_code_loses_the_points_of_its_exercises(lab_gradings):
         "shards_cut_the_opens": "one shard file per sample: an epoch still opens a file per sample",
         "sampler_is_disjoint_complete_and_reshuffled": "ranks seeded apart, n // world each: overlap, gaps",
         "policy_holds_job_fair_shares": "a policy that serves the job with most requests waiting first",
+        "read_path_uses_the_nodes_not_the_shared_fs": "a read path that always reads the shared file system",
+        "node_cache_cuts_shared_reads_by_n_minus_1_over_n": "a read path that never fills the node cache",
     })
 
 

@@ -51,3 +51,20 @@ def engine_read_through_the_server(r):
     for row in (alone, beside):
         assert row["ranks"] == [0, 1] and row["bytes"] > 0, f"{row['name']}: ranks {row['ranks']} read {row['bytes']} B"
     assert beside["mean_wait_ms"] > alone["mean_wait_ms"], "the run beside the bulk copy did not wait longer"
+
+
+@check(points=1, needs_run=True)
+def spread_and_cache_measured(r):
+    """Exercise 4: the spread and the cache runs were recorded, each epoch's reads counted by where they came from."""
+    runs = {row["run"] for row in r["spread"]["rows"]}
+    assert runs >= {"shared", "spread"}, f"spread runs recorded: {sorted(runs)}"
+    assert set(r["cache"]["cut"]) == {"none", "private", "node"}, f"cache runs recorded: {sorted(r['cache']['cut'])}"
+    paths = {tuple(row["path"]) for row in r["spread"]["rows"] if row["run"] == "spread"}
+    assert paths == {("my_reader:read_sample",)}, f"the spread run's read path: {paths}"
+
+
+@check(points=1, needs_run=True)
+def read_decode_balance_measured(r):
+    """Every split of the read threads and decode workers was measured, with the model's rate beside it."""
+    rows = r["balance"]["rows"]
+    assert len(rows) >= 2 and all(row["samples_per_s"] > 0 and row["model_samples_per_s"] > 0 for row in rows), rows

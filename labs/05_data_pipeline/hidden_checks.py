@@ -1,13 +1,16 @@
-"""Lab 05 hidden checks: every measurement is re-derived from the storage servers' request logs, re-read from the
-working copy (`experiments.storage.run_log`), and the student's code is identified by the SHA-256 the server (the
-policy) or the readers (the sampler) logged for it. Every check needs a real run (`needs_run`)."""
+"""Lab 05 hidden checks: every measurement is re-derived from what its processes wrote, re-read from the working
+copy: the storage servers' request logs (`experiments.storage.run_log`), the training runs' event files (the grader's
+evidence) and the spread and cache runs' event files (`experiments.spread.spread_verdict`). The student's code is
+identified by the SHA-256 the server (the policy), the readers (the sampler) or the ranks (the read path) logged for
+it. Every check needs a real run (`needs_run`)."""
 import hashlib
 import json
 import math
 
+from scalelab.experiments.spread import spread_verdict
 from scalelab.experiments.storage import run_log, sample_bytes, sampler_verdict, scaling_row, shares
 from scalelab.grade.checks import check, close, evidence
-from scalelab.grade.evidence import WORKDIR
+from scalelab.grade.evidence import RUNS, WORKDIR
 from scalelab.paths import read_beneath
 
 BAND = (0.5, 1.15)
@@ -17,6 +20,7 @@ FAIR = 0.10
 
 
 def _log(r, path):
+    r[RUNS]  # no grader evidence (outside the grader and SelfCheck), no server log either: the check ends missing
     try:
         return run_log(r[WORKDIR], path)
     except Exception as e:  # noqa: BLE001 - missing, a link, too big: the student's files
@@ -189,3 +193,39 @@ def contention_slows_the_training_run(r):
     assert sum(e["bytes"] for e in others) > 0, "nothing else read from the server beside the run"
     assert wait[beside["name"]] > 2 * wait["engine-alone"], \
         f"mean wait per request: {1e3 * wait['engine-alone']:.2f} ms alone, {1e3 * wait[beside['name']]:.2f} ms beside"
+
+
+def _verdict(r, run_dir):
+    r[RUNS]  # as _log: outside the grader there are no run files to read
+    try:
+        return spread_verdict(r[WORKDIR], run_dir)
+    except Exception as e:  # noqa: BLE001 - missing, a link, too big: the student's files
+        raise AssertionError(f"the spread run {run_dir} could not be read ({type(e).__name__}: {e})") from None
+
+
+@check(points=3, needs_run=True)
+def read_path_uses_the_nodes_not_the_shared_fs(r):
+    """Exercise 4, from the spread run's own event files: every rank ran my_reader.py (its SHA-256), no epoch read
+    the shared file system, local reads only of the node's own samples, remote reads only from the owner, each
+    server's log matching what the other node's ranks read from it, each sample read once per epoch."""
+    v = _verdict(r, r["spread"]["run_dirs"]["spread"])
+    assert v["paths"] == ["my_reader:read_sample"], f"the ranks ran {v['paths']}"
+    sha = _sha(r, "my_reader.py")
+    assert all(c == {"my_reader.py": sha} for c in v["code"].values()), "the ranks did not run this my_reader.py"
+    assert all(e["shared"] == 0 for e in v["epochs"]), f"shared reads per epoch: {[e['shared'] for e in v['epochs']]}"
+    assert all(e["remote"] > 0 and e["local"] > 0 for e in v["epochs"]), f"reads per epoch: {v['epochs']}"
+    assert v["misplaced"] == v["misrouted"] == v["bad"] == 0 and not any(v["unserved"].values()) and \
+        not v["not_once"], f"misplaced {v['misplaced']}, misrouted {v['misrouted']}, bad {v['bad']}, " \
+                           f"unserved {v['unserved']}, epochs not read once {v['not_once']}"
+
+
+@check(points=2, needs_run=True)
+def node_cache_cuts_shared_reads_by_n_minus_1_over_n(r):
+    """From the node-cache run's event files: it ran my_reader.py; epoch 1 read the shared file system, and after it
+    the shared reads are at most 1/N of the samples read (a cut of at least (N-1)/N)."""
+    v = _verdict(r, r["cache"]["run_dirs"]["cache-node"])
+    assert v["paths"] == ["my_reader:read_sample"], f"the ranks ran {v['paths']}"
+    later = v["epochs"][1:]
+    shared, total = sum(e["shared"] for e in later), sum(sum(e.values()) for e in later)
+    assert total and shared <= total / v["world"], f"{shared} shared reads of {total} after epoch 1"
+    assert v["epochs"][0]["shared"] > 0 and not v["not_once"], f"reads per epoch: {v['epochs']}"

@@ -360,22 +360,26 @@ class StorageLab:
 
 
 def write_student_shards(ref: str, samples: list[bytes], folder, per_shard: int) -> dict:
-    """Call the student's shard writer (`ref` = "module:function", reloaded) on `samples`; what it wrote, or why
-    nothing was (not implemented yet, or it raised)."""
+    """Run the student's shard writer (`ref` = "module:function", reloaded) on `samples` into an emptied `folder`;
+    what it wrote (`shard_info`). Whatever it raises (NotImplementedError while unwritten) reaches the caller."""
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    try:
-        fn, sha = _load(ref)
-        fn(samples, str(folder), per_shard)
-    except NotImplementedError:
-        return {"written": False, "why": f"{ref} is not implemented yet"}
-    except Exception as e:  # noqa: BLE001 - the student's code: say what it raised, the lab goes on
-        return {"written": False, "why": f"{ref} raised {type(e).__name__}: {e}"}
-    files = sorted(p.name for p in folder.iterdir())
-    return {"written": (folder / INDEX).is_file(), "files": len(files), "code": sha,
-            "bytes": sum(p.stat().st_size for p in folder.iterdir()),
-            "why": "" if (folder / INDEX).is_file() else f"no {INDEX} in {folder}"}
+    fn, sha = _load(ref)
+    fn(samples, str(folder), per_shard)
+    return shard_info(folder, sha)
+
+
+def shard_info(folder, code: dict | str | None = None) -> dict:
+    """What a shard folder holds: whether it has an index, its files and bytes; `code`: the writer's {file: sha256}
+    (or the writer's file, hashed now)."""
+    folder = Path(folder)
+    if isinstance(code, str):
+        code = {Path(code).name: hashlib.sha256(Path(code).read_bytes()).hexdigest()} if Path(code).is_file() else {}
+    files = sorted(folder.iterdir()) if folder.is_dir() else []
+    written = (folder / INDEX).is_file()
+    return {"written": written, "files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "code": code or {}, "why": "" if written else f"no {INDEX} in {folder}: write_shards has not run"}
 
 
 def in_order(n: int, rank: int, world: int, epoch: int, seed: int = 0) -> list[int]:
@@ -527,5 +531,5 @@ def run_log(workdir, path) -> list[dict]:
 
 
 __all__ = ["JOBS", "make_jobs", "STREAM", "FILES", "INDEX", "StorageLab", "make_data", "sample_bytes", "sample_list",
-           "sample_name", "reader", "in_order", "write_student_shards", "load_index", "reader_rates", "job_rates", "scaling_row", "window",
+           "sample_name", "reader", "in_order", "write_student_shards", "shard_info", "load_index", "reader_rates", "job_rates", "scaling_row", "window",
            "shares", "targets", "share_row", "sampler_verdict", "run_log"]

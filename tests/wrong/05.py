@@ -18,4 +18,7 @@ return order[: n // world].tolist()"""),
     ("    return min(range(len(queue)), key=lambda i: (served.get(queue[i][\"job\"], 0), i))",
      """jobs = [q["job"] for q in queue]
 return max(range(len(queue)), key=lambda i: (jobs.count(jobs[i]), -i))"""),
+    # exercise 4: the read path ignores the spread data set and the node cache: every read goes to the shared FS
+    ("    elif reader.index.owner_of(i) == reader.node:",
+     """return reader.from_shared(i)"""),
 ]
