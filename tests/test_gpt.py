@@ -64,8 +64,9 @@ def test_each_strategy_trains_the_gpt_to_one_process_losses(one_process, tmp_pat
         assert final_params(run.run_dir).keys() == GPT(64, 64, 2, 4).state_dict().keys()
 
 
-def test_activation_checkpointing_and_bf16_autocast_run_the_gpt(one_process, tmp_path):
-    run = launch(tiny(tmp_path, "ckpt", workers=1, **GPT_TINY, steps=SAME, **{"model.activation_checkpointing": True}))
+def test_activation_checkpointing_fused_adamw_and_bf16_autocast_run_the_gpt(one_process, tmp_path):
+    run = launch(tiny(tmp_path, "ckpt", workers=1, **GPT_TINY, steps=SAME,
+                      **{"model.activation_checkpointing": True, "optim.fused": True}))
     assert run.wait(timeout=300)["loss_curve"] == pytest.approx(one_process[1]["loss_curve"][:SAME], abs=1e-5)
     bf16 = launch(tiny(tmp_path, "bf16", workers=1, **GPT_TINY, steps=SAME, precision="bf16")).wait(timeout=300)
     assert bf16["loss_curve"] == pytest.approx(one_process[1]["loss_curve"][:SAME], abs=0.05)
@@ -103,6 +104,7 @@ def test_mfu_uses_the_named_peak_and_is_unknown_on_a_cpu(monkeypatch):
     ({**GPT_TINY, "model.preset": "", "model.width": 30, "model.heads": 4}, "model.heads", "divide"),
     ({**GPT_TINY, "model.preset": "huge"}, "model.preset", "100m"),
     ({**GPT_TINY, "strategy": "tp", "world.workers_per_node": 8}, "model.heads", "tp divides"),
+    ({"optim.fused": True}, "optim.fused", "optim.name=adamw"),
 ])
 def test_a_bad_gpt_setting_names_the_field(tmp_path, changes, field, hint):
     with pytest.raises(SpecError) as err:

@@ -166,6 +166,9 @@ class OptimSpec:
     """Momentum (sgd, lars) or beta1 (adamw, lamb)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
+    fused: bool = False
+    """adamw: torch's fused implementation (one kernel updates every parameter, instead of a few per parameter: the
+    optimizer step of a large model on a GPU gets much shorter); off: torch's default (foreach on a GPU)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (no allreduce on all but the last)."""
     kfac_damping: float = 0.003

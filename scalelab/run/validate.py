@@ -100,15 +100,15 @@ RULES = {
     "model.name": (str, _choice(MODELS)),
     "model.width": (int, _int_at_least(1, 4096)),
     "model.depth": (int, _int_at_least(1, 64)),
-    "model.activation_checkpointing": (bool, None),
     "model.heads": (int, _int_at_least(0, 256)),
     "model.preset": (str, _choice(("", *GPT_PRESETS))),
-    "data.source": (str, _choice(DATA_SOURCES)),
+    "model.activation_checkpointing": (bool, None),
     "model.compile": (bool, None),
+    "data.source": (str, _choice(DATA_SOURCES)),
     "data.path": (str, None),
     "data.samples": (int, _int_at_least(8, 10_000_000)),
-    "data.size": (int, _int_at_least(4, 1024)),
     "data.seq_len": (int, _int_at_least(2, 65_536)),
+    "data.size": (int, _int_at_least(4, 1024)),
     "data.classes": (int, _int_at_least(2, 64)),
     "data.loader_workers": (int, _int_at_least(0, 64)),
     "data.prefetch_factor": (int, _int_at_least(1, 64)),
@@ -148,6 +148,7 @@ RULES = {
     "optim.comm_rank": (int, _int_at_least(1, 64)),
     "optim.momentum": (float, _unit_interval),
     "optim.weight_decay": (float, _non_negative_float),
+    "optim.fused": (bool, None),
     "optim.grad_accum": (int, _int_at_least(1, 1024)),
     "optim.kfac_damping": (float, _positive_float),
     "optim.kfac_factor_every": (int, _int_at_least(1, 100_000)),
@@ -319,6 +320,9 @@ def _cross_checks(spec) -> None:
                                                           f"{spec.model.name!r}: set model.name=transformer or gpt, "
                                                           "or activation_checkpointing=false")
     gpt_checks(spec)
+    if spec.optim.fused and spec.optim.name != "adamw":
+        raise SpecError("optim.fused", f"got true with optim.name={spec.optim.name!r}; the fused update is AdamW's: "
+                                       "set optim.name=adamw or optim.fused=false")
     if spec.checkpoint.mode == "sharded" and spec.strategy == "horovod":
         raise SpecError("checkpoint.mode", f"got 'sharded' with strategy {spec.strategy!r}; torch.distributed."
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")

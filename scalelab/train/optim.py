@@ -60,7 +60,8 @@ def build_optimizer(optim, model: torch.nn.Module, peak_lr: float) -> torch.opti
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
     if optim.name == "adamw":
-        return torch.optim.AdamW(params, lr=peak_lr, betas=(optim.momentum, 0.999), weight_decay=optim.weight_decay)
+        return torch.optim.AdamW(params, lr=peak_lr, betas=(optim.momentum, 0.999), weight_decay=optim.weight_decay,
+                                 fused=True if optim.fused else None)
     import pytorch_optimizer as po
     if optim.name == "lars":
         return po.LARS(params, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay)

@@ -308,7 +308,10 @@ class HorovodStrategy:
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
-    """The submodules that become their own FSDP unit: layers that own parameters, innermost first."""
+    """The submodules that become their own FSDP unit: layers that own parameters, innermost first; for the gpt its
+    decoder blocks and its head (one all-gather per block, as torchtitan shards a transformer)."""
+    if hasattr(model, "blocks"):
+        return [*model.blocks, model.head]
     kinds = (nn.Linear, nn.Conv2d, nn.TransformerEncoderLayer)
     return [m for m in model.modules() if isinstance(m, kinds) and m is not model]
 
