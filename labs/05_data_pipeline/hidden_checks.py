@@ -28,6 +28,7 @@ def _log(r, path):
 
 
 def _sha(r, name):
+    r[RUNS]  # as _log
     try:
         return hashlib.sha256(read_beneath(r[WORKDIR], name, 1 << 20)).hexdigest()
     except Exception as e:  # noqa: BLE001
