@@ -177,3 +177,35 @@ def test_data_server_needs_a_layout_on_disk_and_an_address():
     with pytest.raises(SpecError, match="data.server"):
         preset("tiny").with_overrides({"data.format": "shards", "data.server": "no port"})
     assert preset("tiny").with_overrides({"data.format": "shards", "data.server": "node1:5000"}).data.server
+
+
+def _epoch_log(assignments):
+    """Log entries as the sampler's readers write them: {rank: {epoch: [samples]}} read from files per sample."""
+    from scalelab.experiments.storage import sample_name
+    return [{"op": "get", "job": "s", "rank": rank, "name": sample_name(i), "offset": 0, "bytes": 4, "t": 0.0,
+             "tag": {"epoch": epoch, "sample": i}}
+            for rank, epochs in assignments.items() for epoch, samples in epochs.items() for i in samples]
+
+
+def test_the_sampler_verdict_finds_overlap_gaps_imbalance_and_a_fixed_order():
+    from scalelab.experiments.storage import sampler_verdict
+    good = _epoch_log({0: {0: [4, 0, 3], 1: [1, 6, 2]}, 1: {0: [1, 6], 1: [0, 5]}, 2: {0: [2, 5], 1: [3, 4]}})
+    v = sampler_verdict(good, 7, 3, 2)
+    assert v["disjoint"] and v["complete"] and v["balanced"] and v["reshuffled"] and v["misplaced"] == 0
+    overlapping = _epoch_log({0: {0: [0, 1, 2], 1: [3, 4, 5]}, 1: {0: [2, 3], 1: [5, 6]}, 2: {0: [4, 5], 1: [0, 1]}})
+    v = sampler_verdict(overlapping, 7, 3, 2)
+    assert not v["disjoint"] and not v["complete"] and v["epochs"][0]["overlap"] == 1
+    fixed = _epoch_log({0: {0: [0, 3, 6], 1: [0, 3, 6]}, 1: {0: [1, 4], 1: [1, 4]}, 2: {0: [2, 5], 1: [2, 5]}})
+    assert not sampler_verdict(fixed, 7, 3, 2)["reshuffled"]
+    lopsided = _epoch_log({0: {0: [0, 1, 2, 3, 4]}, 1: {0: [5]}, 2: {0: [6]}})
+    assert not sampler_verdict(lopsided, 7, 3, 1)["balanced"]
+    moved = [dict(e, name="files/sample-000099.bin") if e["tag"]["sample"] == 3 else e for e in good]
+    assert sampler_verdict(moved, 7, 3, 2)["misplaced"] == 2  # the log says sample 3, the read was another file
+
+
+def test_shares_count_only_the_window_where_every_job_reads():
+    from scalelab.experiments.storage import shares, window
+    entries = [{"op": "read", "job": "a", "t": t, "bytes": 10} for t in (0.0, 1.0, 2.0, 3.0)] + \
+              [{"op": "read", "job": "b", "t": t, "bytes": 30} for t in (1.0, 2.0)]
+    assert window(entries) == (1.0, 2.0)
+    assert shares(entries) == {"a": 0.25, "b": 0.75}
