@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from labtests import ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_stops_at_first_exercise,
+                      assert_wrong_code_loses)
 
 LAB = ROOT / "labs" / "07_model_parallel"
 pytestmark = pytest.mark.slow
@@ -18,7 +19,7 @@ def reference(lab_gradings):
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
-    assert_full_marks_within(LAB, reference, 240)
+    assert_full_marks_within(LAB, reference, 420)  # lab.yaml total_timeout_s; graded beside another lab under load
 
 
 def test_reference_numbers_tell_the_lab_story(reference):
@@ -30,6 +31,15 @@ def test_reference_numbers_tell_the_lab_story(reference):
     pipe = records["pipeline"]
     assert pipe["1f1b/8"]["measured_bubble"] < pipe["1f1b/1"]["measured_bubble"] == pytest.approx(0.5)
     assert pipe["gpipe/8"]["peak_in_flight"] == [8, 8] and pipe["1f1b/8"]["peak_in_flight"] == [2, 1]
+    runs_4b = records["pipeline_runs"]  # section 4b's prose quotes these bytes (deterministic: no clock in them)
+    assert runs_4b["my_gpipe"]["activation_peak_bytes"] == runs_4b["torch_gpipe"]["activation_peak_bytes"] \
+        == [131072, 132640]
+    assert runs_4b["my_1f1b"]["activation_peak_bytes"] == runs_4b["torch_1f1b"]["activation_peak_bytes"] \
+        == [32768, 16580]
+    assert runs_4b["my_1f1b"]["ops"][1] == " ".join(f"F{i} B{i}" for i in range(8))
+    for row in runs_4b.values():
+        assert row["loss_curve"] == pytest.approx(runs_4b["torch_gpipe"]["loss_curve"], rel=1e-5)
+        assert 0 < row["bubble"] <= row["formula"] + 0.35
     assert records["reshard"]["one_equal"] and records["reshard"]["two_equal"]
     assert records["planner"]["fp32_zero3_bytes"] == runs["fsdp_full"]["memory"]["state_bytes"]
     mesh = records["mesh_run"]  # dp 2 x tp 2 on 4 ranks: DDP's losses, about half its state on every rank
@@ -39,6 +49,19 @@ def test_reference_numbers_tell_the_lab_story(reference):
 
 def test_student_copy_stops_at_the_first_exercise_and_grades_far_below(lab_gradings):
     assert_stops_at_first_exercise(lab_gradings, LAB, recorded="lab07_params", not_yet="my_state_table", share=0.1)
+
+
+def test_wrong_schedules_lose_their_points(lab_gradings):
+    """tests/wrong/07.py: a GPipe whose last stage runs its backwards newest first (the engine refuses the plan:
+    the stages would exchange gradients in different orders) and a "1F1B" that fills the pipe with every
+    micro-batch (GPipe's bytes)."""
+    assert_wrong_code_loses(lab_gradings, LAB, {"my_gpipe_runs_in_the_engine": "backwards out of order",
+                                                "my_1f1b_holds_fewer_activation_bytes": "GPipe under 1F1B's name"})
+
+
+def _swap_runs(r, a, b):
+    runs = r["pipeline_runs"]
+    runs[a]["run_dir"], runs[b]["run_dir"] = runs[b]["run_dir"], runs[a]["run_dir"]
 
 
 def _scale(r, factor):
@@ -72,6 +95,14 @@ def _scale(r, factor):
     (lambda r: r["mesh_run"].update(predicted_state_bytes=r["mesh_run"]["predicted_state_bytes"] * 2),
      "a_3d_mesh_trains_like_ddp"),
     (lambda r: r["mesh_run"].update(run_dir=r["fsdp_runs"]["ddp"]["run_dir"]), "mesh_run_is_the_engine_run"),
+    (lambda r: r["pipeline_runs"]["my_1f1b"].update(error="refused"), "my_schedules_ran"),
+    (lambda r: r["pipeline_runs"]["torch_1f1b"].update(activation_peak_bytes=[10 ** 9, 1]),
+     "torch_schedules_beside_yours"),
+    (lambda r: _swap_runs(r, "my_gpipe", "torch_gpipe"), "my_gpipe_runs_in_the_engine"),
+    (lambda r: _swap_runs(r, "my_1f1b", "torch_1f1b"), "my_1f1b_runs_in_the_engine"),
+    (lambda r: _swap_runs(r, "my_1f1b", "my_gpipe"), "my_1f1b_holds_fewer_activation_bytes"),
+    (lambda r: r["pipeline_runs"]["my_1f1b"].update(run_dir=r["pipeline_runs"]["torch_gpipe"]["run_dir"]),
+     "my_1f1b_bubble_near_the_formula"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

@@ -112,3 +112,18 @@ def test_a_deadlocking_schedule_fails_at_once_naming_the_field(tmp_path, monkeyp
     run = launch(tiny(tmp_path, "dead", workers=2, **MLP, **{"pipeline.schedule": "my_pipe:warm_by_stage"}))
     with pytest.raises(RunFailed, match="pipeline.schedule: my_pipe:warm_by_stage would deadlock"):
         run.wait(timeout=60)
+
+
+def test_the_labs_helper_starts_no_run_for_a_schedule_the_engine_would_refuse(tmp_path, monkeypatch):
+    """experiments.model_parallel.pipeline_schedule_runs checks a student's plan in the notebook's process first,
+    reading the module afresh (an edit after an earlier import counts): refused plans start no run."""
+    from scalelab.experiments.model_parallel import pipeline_schedule_runs
+    (tmp_path / "my_pipe.py").write_text(SCHEDULES + '''
+def todo(stage, stages, micro):
+    raise NotImplementedError("exercise")
+''')
+    monkeypatch.chdir(tmp_path)
+    rows = pipeline_schedule_runs(tiny(tmp_path, "x", workers=2, **MLP),
+                                  {"dead": "my_pipe:warm_by_stage", "todo": "my_pipe:todo"}, tmp_path / "runs")
+    assert "would deadlock" in rows["dead"]["error"] and "not implemented yet" in rows["todo"]["error"]
+    assert not (tmp_path / "runs").exists()

@@ -1,5 +1,5 @@
-"""Lab 07 public checks: memory arithmetic, FSDP vs DDP, tensor parallelism by hand, pipeline bubble, resharding,
-a 3D layout and a dp x tp mesh in the engine."""
+"""Lab 07 public checks: memory arithmetic, FSDP vs DDP, tensor parallelism by hand, pipeline bubble, your pipeline
+schedules in the engine, resharding, a 3D layout and a dp x tp mesh in the engine."""
 import math
 
 from scalelab.grade.checks import check
@@ -93,6 +93,32 @@ def bubble_shrinks_and_1f1b_holds_less(r):
         assert max(rows[f"1f1b/{most}"]["peak_in_flight"]) < max(rows[f"gpipe/{most}"]["peak_in_flight"])
     for key, row in rows.items():
         assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(row["losses"], row["serial_losses"])), key
+
+
+@check(points=1, needs_run=True)
+def my_schedules_ran(r):
+    """Exercises 4b and 4c: the engine ran your GPipe and your 1F1B to the end, at m >= 4 micro-batches, and measured
+    each stage's activation bytes."""
+    runs = r["pipeline_runs"]
+    for name in ("my_gpipe", "my_1f1b"):
+        row = runs.get(name)
+        assert row is not None, f"{name} was not run"
+        assert "error" not in row, f"{name}: {row['error']}"
+        assert row["micro"] >= 4, f"{name} ran at m = {row['micro']}: measure at 4 or more micro-batches"
+        assert len(row["activation_peak_bytes"]) == row["stages"] >= 2, f"{name}: {row['activation_peak_bytes']}"
+
+
+@check(points=1, needs_run=True)
+def torch_schedules_beside_yours(r):
+    """torch.distributed.pipelining's GPipe and 1F1B ran on the same stages to the same losses; its 1F1B holds
+    fewer activation bytes on stage 0 than its GPipe."""
+    runs = r["pipeline_runs"]
+    gpipe, one = runs["torch_gpipe"], runs["torch_1f1b"]
+    assert "error" not in gpipe and "error" not in one, f"{gpipe.get('error') or one.get('error')}"
+    assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(one["loss_curve"], gpipe["loss_curve"])), \
+        "torch's 1F1B and GPipe trained to different losses"
+    assert one["activation_peak_bytes"][0] < gpipe["activation_peak_bytes"][0], \
+        f"stage 0: 1F1B {one['activation_peak_bytes'][0]} bytes, GPipe {gpipe['activation_peak_bytes'][0]}"
 
 
 @check(points=2, needs_run=True)

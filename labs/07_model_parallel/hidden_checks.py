@@ -1,12 +1,17 @@
 """Lab 07 hidden checks: the DDP and FSDP runs against their event files; answers recomputed from other records.
 
 The four training runs (DDP, two FSDP modes, the dp x tp mesh) are engine runs with event files: their world
-size, strategy and loss curves are held against them. The SPMD experiments (tensor parallel, pipeline, resharding) write no event files and are held
-against each other. Every check needs a real run (`needs_run`).
+size, strategy and loss curves are held against them. The pipeline schedule runs of section 4b (the student's GPipe
+and 1F1B, torch's two) are engine runs too: the schedule each ran, the submitted my_pipeline.py, the activation
+bytes per stage and the bubble come from their `pipeline` events. The SPMD experiments (tensor parallel, pipeline,
+resharding) write no event files and are held against each other. Every check needs a real run (`needs_run`).
 """
+import hashlib
 import math
 
 from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.evidence import WORKDIR
+from scalelab.grade.untrusted import UntrustedFileError, read_beneath
 
 
 @check(points=3, needs_run=True)
@@ -53,6 +58,87 @@ def pipeline_records_agree(r):
             assert math.isclose(row["measured_bubble"], 0.5, abs_tol=1e-6), f"{key}: {row['measured_bubble']}"
         if row["schedule"] == "gpipe":
             assert row["peak_in_flight"][0] == row["micro"], f"{key}: GPipe held {row['peak_in_flight']}"
+
+
+def _schedule_run(r, name: str, schedule: str) -> dict:
+    """The evidence of the schedule run `name` (section 4b): its events name `schedule`; a schedule of the
+    student's must have run the submitted my_pipeline.py (its SHA-256 in the start event)."""
+    row = r["pipeline_runs"][name]
+    assert "error" not in row, f"{name}: {row['error']}"
+    found = evidence(r, row["run_dir"])
+    pipe = found.get("pipeline")
+    assert pipe, f"{name}: the run wrote no pipeline events"
+    assert pipe["schedule"] == schedule, f"{name}: the run's events show pipeline.schedule {pipe['schedule']!r}"
+    if ":" in schedule:
+        try:
+            sha = hashlib.sha256(read_beneath(r[WORKDIR], "my_pipeline.py", 1 << 20)).hexdigest()
+        except UntrustedFileError as e:
+            raise AssertionError(f"my_pipeline.py could not be read from the submission ({e})") from None
+        assert found["code"].get("my_pipeline.py") == sha, \
+            f"{name} did not run the submitted my_pipeline.py (the run's code: {sorted(found['code'])})"
+    assert found["steps"] == pipe["steps"] == r["lab07_params"]["pipeline_steps"], \
+        f"{name}: {found['steps']} steps, {pipe['steps']} with pipeline events"
+    return found
+
+
+def _same_losses(a: dict, b: dict) -> bool:
+    return len(a["loss_curve"]) == len(b["loss_curve"]) and all(
+        math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) for x, y in zip(a["loss_curve"], b["loss_curve"]))
+
+
+@check(points=2, needs_run=True)
+def my_gpipe_runs_in_the_engine(r):
+    """Exercise 4b, from the run's events: the engine ran your gpipe_ops on every stage (every forward, then every
+    backward, in order), holding the bytes torch's GPipe holds on each stage, to its losses."""
+    mine = _schedule_run(r, "my_gpipe", "my_pipeline:gpipe_ops")
+    torch_gpipe = _schedule_run(r, "torch_gpipe", "torch-gpipe")
+    m = mine["pipeline"]["micro"]
+    want = " ".join([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
+    for s, ops in enumerate(mine["pipeline"]["ops"]):
+        assert ops == want, f"stage {s} ran {ops}"
+    assert mine["pipeline"]["activation_peak_bytes"] == torch_gpipe["pipeline"]["activation_peak_bytes"], \
+        f"activation bytes {mine['pipeline']['activation_peak_bytes']}, torch's GPipe " \
+        f"{torch_gpipe['pipeline']['activation_peak_bytes']}"
+    assert _same_losses(mine, torch_gpipe), "your GPipe's losses are not torch's GPipe's"
+
+
+@check(points=2, needs_run=True)
+def my_1f1b_runs_in_the_engine(r):
+    """Exercise 4c, from the run's events: the engine ran your one_f_one_b_ops on every stage, at m >= 4, to the
+    losses of torch's GPipe at the same seed (within 1e-5: the same gradients)."""
+    mine = _schedule_run(r, "my_1f1b", "my_pipeline:one_f_one_b_ops")
+    torch_gpipe = _schedule_run(r, "torch_gpipe", "torch-gpipe")
+    assert mine["pipeline"]["micro"] >= 4, f"measured at m = {mine['pipeline']['micro']}: 4 or more, please"
+    assert mine["pipeline"]["micro"] == torch_gpipe["pipeline"]["micro"], "GPipe ran at another m"
+    assert _same_losses(mine, torch_gpipe), \
+        f"losses {mine['loss_curve']} against torch's GPipe's {torch_gpipe['loss_curve']}"
+
+
+@check(points=3, needs_run=True)
+def my_1f1b_holds_fewer_activation_bytes(r):
+    """Exercise 4c, from the runs' events: at the same m >= 4, every stage of your 1F1B held at most the activation
+    bytes torch's GPipe held there, and stage 0 strictly fewer (GPipe holds all m micro-batches, 1F1B at most p)."""
+    mine = _schedule_run(r, "my_1f1b", "my_pipeline:one_f_one_b_ops")["pipeline"]
+    gpipe = _schedule_run(r, "torch_gpipe", "torch-gpipe")["pipeline"]
+    assert mine["micro"] >= 4 and mine["micro"] == gpipe["micro"], f"m = {mine['micro']} and {gpipe['micro']}"
+    ours, theirs = mine["activation_peak_bytes"], gpipe["activation_peak_bytes"]
+    assert len(ours) == len(theirs) == mine["stages"], f"stages measured: {len(ours)}, {len(theirs)}"
+    assert all(a <= b for a, b in zip(ours, theirs)), f"activation bytes per stage {ours}, GPipe {theirs}"
+    assert ours[0] < theirs[0], f"stage 0 holds {ours[0]} bytes, as many as GPipe: is it still GPipe's order?"
+
+
+@check(points=2, needs_run=True)
+def my_1f1b_bubble_near_the_formula(r):
+    """Exercise 4c, from the runs' events: your 1F1B's bubble (replayed from the stages' timelines) is at most 0.15
+    above the larger of (p-1)/(m+p-1) and torch's GPipe's bubble measured beside it (uneven stages and a loaded
+    machine add to both alike); a schedule that never overlaps its stages idles (p-1)/p of every step, 0.5 on 2."""
+    pipe = _schedule_run(r, "my_1f1b", "my_pipeline:one_f_one_b_ops")["pipeline"]
+    gpipe = _schedule_run(r, "torch_gpipe", "torch-gpipe")["pipeline"]
+    p, m = pipe["stages"], pipe["micro"]
+    formula = (p - 1) / (m + p - 1)
+    assert pipe["bubble"] is not None and gpipe["bubble"] is not None, "no bubble was measured"
+    assert pipe["bubble"] <= max(formula, gpipe["bubble"]) + 0.15, \
+        f"bubble {pipe['bubble']:.3f}; formula {formula:.3f}, torch's GPipe {gpipe['bubble']:.3f}"
 
 
 @check(points=1, needs_run=True)

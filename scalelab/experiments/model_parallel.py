@@ -12,6 +12,9 @@
 - `pipeline_measure`: the MLP cut into one stage per rank, trained a few steps with a GPipe or 1F1B schedule;
   bubble fraction measured from each stage's compute timeline against (p-1)/(m+p-1), activations held, and the
   losses of the same steps trained unsplit on one process.
+- `pipeline_schedule_runs`: engine runs (strategy pp) of the same model under several pipeline schedules (the
+  engine's, torch.distributed.pipelining's, a student's module:function), each stage's peak activation bytes and
+  operations and the bubble read from the runs' `pipeline` events.
 - `reshard_save` / `reshard_restore`: an FSDP-sharded model and its Adam state saved with
   torch.distributed.checkpoint at one world size and restored at another (2 -> 1 -> 2), compared exactly.
 FSDP itself is the engine's strategy `fsdp`, and a dp x tp x pp mesh its strategy `3d` (`parallel.tp`,
@@ -20,6 +23,7 @@ FSDP itself is the engine's strategy `fsdp`, and a dp x tp x pp mesh its strateg
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -213,6 +217,85 @@ def pipeline_figure(result: dict, title: str = ""):
     return fig
 
 
+def pipeline_schedule_runs(spec, schedules: dict[str, str], out_dir, timeout: float = 180) -> dict:
+    """Train `spec` (strategy pp) once per schedule, {name: pipeline.schedule}: the engine's schedules (gpipe,
+    1f1b), torch's (torch-gpipe, torch-1f1b) or a student's module:function, each into out_dir/<name>; the runs
+    go side by side (started together: the bytes and losses do not depend on load, and the bubble is replayed from
+    each operation's fastest time). Per name: schedule, run_dir, stages, micro, loss_curve, final_loss, and from the
+    run's `pipeline` events (train/pipeline.py) the activation_peak_bytes and peak_in_flight of each stage, the
+    operations each stage ran (`ops`), the bubble (the least after the first step) and its formula
+    (p-1)/(m+p-1). A student's schedule is first checked here as every rank would check it (`plan_schedule`,
+    reading <module>.py afresh from the working folder): one the engine would refuse (not implemented yet,
+    incomplete, out of order, would deadlock) starts no run. A refused schedule, or a run that fails or outlasts
+    `timeout`, gives {"schedule", "run_dir", "error"}, printed; the other schedules still run."""
+    from ..errors import RunTimeout, ScalelabError
+    from ..launch import launch
+    rows, started = {}, {}
+    for name, schedule in schedules.items():
+        run_spec = spec.with_overrides({"strategy": "pp", "pipeline.schedule": schedule, "name": name,
+                                        "output_dir": str(Path(out_dir) / name)})
+        try:
+            _precheck(schedule, run_spec.world_size, run_spec.pipeline.micro_batches)
+            started[name] = (run_spec, launch(run_spec))
+        except ScalelabError as e:
+            rows[name] = _refused(name, schedule, run_spec.output_dir, e)
+    for name, (run_spec, run) in started.items():
+        schedule = run_spec.pipeline.schedule
+        try:
+            summary = run.wait(timeout=timeout)
+        except ScalelabError as e:
+            if isinstance(e, RunTimeout):
+                run.stop()
+            rows[name] = _refused(name, schedule, run.run_dir, e)
+            continue
+        last: dict = {}
+        for e in run.events():
+            if e["type"] == "pipeline":
+                last.setdefault(e["stage"], []).append(e)
+        stages = [last[s][-1] for s in sorted(last)]
+        bubbles = [e["bubble"] for e in last.get(0, []) if e.get("bubble") is not None]
+        p, m = run_spec.world_size, run_spec.pipeline.micro_batches
+        rows[name] = {"schedule": schedule, "run_dir": str(run.run_dir), "stages": p, "micro": m,
+                      "loss_curve": summary["loss_curve"], "final_loss": summary["final_loss"],
+                      "activation_peak_bytes": [e["activation_peak_bytes"] for e in stages],
+                      "peak_in_flight": [e["peak_in_flight"] for e in stages], "ops": [e["ops"] for e in stages],
+                      "bubble": min(bubbles[1:] or bubbles) if bubbles else None, "formula": bubble_formula(p, m)}
+    return {name: rows[name] for name in schedules}
+
+
+def _precheck(schedule: str, stages: int, micro: int) -> None:
+    """Check a student's schedule (module:function, <module>.py in the working folder, read afresh: the kernel may
+    hold an older import) as every rank checks it before the first step; SpecError if the engine would refuse it."""
+    import importlib.util
+    import sys
+    from ..train import pipeline
+    module, _, function = schedule.partition(":")
+    path = Path.cwd() / f"{module}.py"
+    if not function or "." in module or not path.is_file():
+        return  # a built-in or installed schedule: the ranks check it
+    spec = importlib.util.spec_from_file_location(module, path)
+    fresh = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get(module)
+    sys.modules[module] = fresh
+    try:
+        try:
+            spec.loader.exec_module(fresh)
+        except Exception:
+            return  # the ranks' import reports it, with the field
+        pipeline.plan_schedule(schedule, stages, micro)
+    finally:
+        if saved is None:
+            sys.modules.pop(module, None)
+        else:
+            sys.modules[module] = saved
+
+
+def _refused(name: str, schedule: str, run_dir, error: Exception) -> dict:
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"{name}: {schedule} did not run: {message}")
+    return {"schedule": schedule, "run_dir": str(run_dir), "error": message}
+
+
 def _median(xs: list) -> float:
     return sorted(xs)[len(xs) // 2]
 
@@ -286,4 +369,4 @@ def _digest(flat: dict) -> dict:
 
 
 __all__ = ["tensor_parallel_check", "dtensor_parallel_check", "mesh_2d_state", "pipeline_measure", "pipeline_figure",
-           "reshard_save", "reshard_restore"]
+           "pipeline_schedule_runs", "reshard_save", "reshard_restore"]
