@@ -1,17 +1,15 @@
 """The byte-level language model in the engine (model.name=gpt, data.source=pysrc; train/gpt.py, data/pysrc.py):
 the tiny preset learns the Python sources past the unigram baseline in seconds on a CPU; DDP, FSDP, tensor and
-pipeline parallelism at world 2 (and a 2 x 2 mesh of both) follow one process's losses at the same seed and global batch; step events carry
-tokens/s (MFU only where the device's peak is known); bad settings name the field."""
+pipeline parallelism at world 2 (and a 2 x 2 mesh of both) follow one process's losses at the same seed and global
+batch; step events carry tokens/s (MFU only where the device's peak is known); bad settings name the field."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scalelab.data import pysrc
-from scalelab.data.loader import build_eval_set
 from scalelab.errors import SpecError
 from scalelab.launch import launch
-from scalelab.train.gpt import GPT, Throughput, build_gpt, device_peak, flops_per_token, held_out_loss
+from scalelab.train.gpt import GPT, Throughput, device_peak, flops_per_token, run_held_out_loss
 
 from helpers import final_params, tiny
 
@@ -24,7 +22,7 @@ SAME = 4  # steps each strategy runs and compares with the one-process run's fir
 def one_process(tmp_path_factory):
     """The tiny gpt trained by one process for 100 steps (its first SAME steps are every strategy's reference)."""
     run = launch(tiny(tmp_path_factory.mktemp("gpt"), "one", workers=1, **GPT_TINY, steps=100))
-    return run, run.wait(timeout=300)
+    return run, run.wait(timeout=600)  # seconds alone; minutes on a 2-core machine shared with other suites
 
 
 def batch_losses(run, workers: int) -> list[float]:
@@ -36,16 +34,12 @@ def batch_losses(run, workers: int) -> list[float]:
 
 def test_the_tiny_gpt_learns_python_source_past_the_unigram_baseline(one_process):
     run, summary = one_process
-    spec = tiny(run.run_dir.parent, "eval", workers=1, **GPT_TINY)
-    model = build_gpt(spec.model, spec.data.seq_len, seed=0)
-    model.load_state_dict(final_params(run.run_dir))
-    x, y = build_eval_set(spec.data, spec.seed)
-    loss, unigram = held_out_loss(model, x, y), pysrc.unigram_loss(y)
+    held_out = run_held_out_loss(run.run_dir)  # model.pt on the held-out files' windows
     # measured here: 2.95 against 3.32 nats per byte after 100 steps (a model that knows byte frequencies only)
-    assert loss < unigram - 0.15, (loss, unigram)
+    assert held_out["loss"] < held_out["unigram"] - 0.15, held_out
     steps = [e for e in run.events() if e["type"] == "step"]
     assert all(e["tokens_per_s"] == pytest.approx(32 * 64 / e["step_s"]) for e in steps)
-    assert steps[0]["mfu"] is None and steps[0]["flops_per_token"] == flops_per_token(model)
+    assert steps[0]["mfu"] is None and steps[0]["flops_per_token"] == flops_per_token(GPT(64, 64, 2, 4))
 
 
 @pytest.mark.parametrize("strategy, workers, changes", [

@@ -12,9 +12,10 @@
    labs have run.
 2. Stage. `site/` is copied to `build/site/src/` (the landing page's list of labs written from every lab's lab.yaml
    at its LABS_MARKER line, so it names each lab the course has, published in this build or not) with, per lab,
-   `labs/<lab>.ipynb`: the executed notebook with every exercise solution replaced by `# YOUR CODE HERE` (outputs kept, so the page shows the plots but not the answers),
-   papermill's injected cell, `record()` outputs and widget views removed; `_student/<lab>.zip`: the student copy
-   (`scalelab labs release`); `labs/index.md` and `_labs.json` (what the `{lab}` role in site pages links to).
+   `labs/<lab>.ipynb`: the executed notebook with every exercise solution replaced by `# YOUR CODE HERE` (outputs
+   kept, so the page shows the plots but not the answers), papermill's injected cell, `record()` outputs and widget
+   views removed; `_student/<lab>.zip`: the student copy (`scalelab labs release`); `labs/index.md` and `_labs.json`
+   (what the `{lab}` role in site pages links to).
    Unchanged files are not rewritten, so Sphinx rebuilds only what changed.
 3. Sphinx (myst-nb reads the notebooks, no execution) with warnings as errors into `site/_build/html`.
 """
@@ -299,5 +300,6 @@ def report_dict(report: SiteReport) -> dict:
 
 
 __all__ = ["SiteBuildError", "LabExecutionFailed", "ExecutedLab", "SiteReport", "lab_hash", "ensure_executed",
-           "hide_solutions", "lab_page", "student_zip", "stage", "landing_page", "labs_index", "run_sphinx", "build_site",
+           "hide_solutions", "lab_page", "student_zip", "stage", "landing_page", "labs_index", "run_sphinx",
+           "build_site",
            "report_dict", "SITE_SRC", "HTML_OUT", "EXECUTED", "STAGE", "HIDDEN", "LABS_MARKER"]

@@ -229,5 +229,23 @@ def held_out_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int
     return total / y.numel()
 
 
+def run_held_out_loss(run_dir) -> dict:
+    """A finished gpt run's held-out loss, from its spec.json and model.pt, beside the unigram baseline (the loss of a
+    model that knows only how often each byte occurs): {"loss", "unigram", "windows"} in nats per byte."""
+    from pathlib import Path
+    from ..data import pysrc
+    from ..data.loader import build_eval_set
+    from ..run.spec import load
+    run_dir = Path(run_dir)
+    spec = load(run_dir / "spec.json")
+    if spec.model.name != "gpt":
+        raise ValueError(f"{run_dir} trained model.name={spec.model.name!r}, not the gpt: it has no held-out loss here")
+    width, depth, heads = spec.model.shape()
+    model = GPT(spec.data.seq_len, width, depth, heads)
+    model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu"))
+    x, y = build_eval_set(spec.data, spec.seed)
+    return {"loss": held_out_loss(model, x, y), "unigram": pysrc.unigram_loss(y), "windows": len(x)}
+
+
 __all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "build_gpt", "flops_per_token", "PEAK_TFLOPS",
-           "device_peak", "Throughput", "held_out_loss", "VOCAB"]
+           "device_peak", "Throughput", "held_out_loss", "run_held_out_loss", "VOCAB"]

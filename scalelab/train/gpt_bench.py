@@ -39,8 +39,9 @@ TINY_SIZE = {"preset": "tiny", "seq_len": 64, "batch": 8, "steps": 3, "warmup": 
 
 def device_facts(device: torch.device) -> dict:
     """What the numbers were measured on: device name, driver, CUDA and torch versions, host, date."""
+    now = datetime.datetime.now(datetime.timezone.utc)
     facts = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
-             "host": socket.gethostname(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+             "host": socket.gethostname(), "date": now.isoformat(timespec="seconds")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts.update(device_name=props.name, memory_bytes=props.total_memory, cuda=torch.version.cuda,
@@ -105,7 +106,8 @@ def measure(mode: str, device: torch.device, preset: str, seq_len: int, batch: i
             "compile_backend": compile_backend if compiled else None, "fused_adamw": fused,
             "parameters": sum(p.numel() for p in model.parameters()), "flops_per_token": model.flops_per_token,
             "tokens_per_s": tokens_per_s, "step_ms": 1000 * timed_s / steps,
-            "mfu": model.flops_per_token * tokens_per_s / peak if peak else None, "peak_tflops": peak / 1e12 if peak else None,
+            "mfu": model.flops_per_token * tokens_per_s / peak if peak else None,
+            "peak_tflops": peak / 1e12 if peak else None,
             "peak_source": peak_source, "warmup_s": timed_from - started,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "loss_first": float(losses[0]), "loss_last": float(losses[-1])}
