@@ -86,11 +86,10 @@ def test_saved_tensor_bytes_follow_the_micro_batches_alive():
 def test_a_student_schedule_and_torchs_run_to_gpipes_losses_with_their_own_activation_bytes(tmp_path, monkeypatch):
     (tmp_path / "my_pipe.py").write_text(SCHEDULES)
     monkeypatch.chdir(tmp_path)  # the launcher copies my_pipe.py from the launching folder into the run's code/
-    summaries, runs = {}, {}
-    for schedule in ("gpipe", "my_pipe:one_f_one_b", "torch-gpipe", "torch-1f1b"):
-        name = schedule.replace(":", "-")
-        runs[name] = launch(tiny(tmp_path, name, workers=2, **MLP, **{"pipeline.schedule": schedule}))
-        summaries[name] = runs[name].wait(timeout=180)
+    runs = {schedule.replace(":", "-"): launch(tiny(tmp_path, schedule.replace(":", "-"), workers=2, **MLP,
+                                                    **{"pipeline.schedule": schedule}))
+            for schedule in ("gpipe", "my_pipe:one_f_one_b", "torch-gpipe", "torch-1f1b")}  # side by side
+    summaries = {name: run.wait(timeout=180) for name, run in runs.items()}
     for name, summary in summaries.items():
         assert summary["loss_curve"] == pytest.approx(summaries["gpipe"]["loss_curve"], rel=1e-5, abs=1e-6), name
     found = run_evidence(tmp_path)[RUNS]
@@ -103,7 +102,8 @@ def test_a_student_schedule_and_torchs_run_to_gpipes_losses_with_their_own_activ
     assert pipe["torch-1f1b"]["activation_peak_bytes"] == mine["activation_peak_bytes"]
     assert pipe["torch-gpipe"]["activation_peak_bytes"] == gpipe["activation_peak_bytes"]
     assert pipe["torch-1f1b"]["ops"] == mine["ops"] and pipe["torch-gpipe"]["ops"] == gpipe["ops"]
-    assert all(0 < p["bubble"] < 1 for p in pipe.values())
+    assert all(0 < p["bubble"] < 1 and len(p["stage_idle"]) == 2 for p in pipe.values())
+    assert all(abs(sum(p["stage_idle"]) / 2 - p["bubble"]) < 1e-9 for p in pipe.values())  # the mean: the bubble
 
 
 def test_a_deadlocking_schedule_fails_at_once_naming_the_field(tmp_path, monkeypatch):

@@ -186,7 +186,7 @@ def _pipeline(launches: dict[int, list]) -> dict[str, Any] | None:
     schedule, micro-batches and stages; per stage (from the lowest rank of each) the last step's
     activation_peak_bytes, peak_in_flight and operations in order (`ops`); the bubble of every step as rank 0
     wrote it (replayed from all stages' timelines) and `bubble`, the least after the first step (which pays for
-    warm-up: load only ever adds to a step's bubble)."""
+    warm-up: load only ever adds to a step's bubble), with that step's idle fraction of each stage (`stage_idle`)."""
     per: dict[int, list] = {}
     for rank in sorted(launches):
         launch = launches[rank][-1] if launches[rank] else []
@@ -202,15 +202,17 @@ def _pipeline(launches: dict[int, list]) -> dict[str, Any] | None:
         if isinstance(stage, int) and not isinstance(stage, bool) and stage not in by_stage:
             by_stage[stage] = per[rank][-1]
     stages = [by_stage[s] for s in sorted(by_stage)]
-    bubbles = [e.get("bubble") for e in main]
-    bubbles = [b for b in bubbles if isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)]
-    later = bubbles[1:] or bubbles
+    measured = [e for e in main if isinstance(e.get("bubble"), (int, float)) and not isinstance(e.get("bubble"), bool)
+                and math.isfinite(e["bubble"])]
+    best = min(measured[1:] or measured, key=lambda e: e["bubble"], default=None)
     last = main[-1]
     return {"schedule": last.get("schedule"), "micro": last.get("micro"), "stages": last.get("stages"),
             "steps": len(main), "activation_peak_bytes": [e.get("activation_peak_bytes") for e in stages],
             "peak_in_flight": [e.get("peak_in_flight") for e in stages],
             "ops": [str(e.get("ops"))[:20_000] for e in stages],
-            "bubble": min(later) if later else None, "bubble_per_step": bubbles[:MAX_CURVE]}
+            "bubble": best["bubble"] if best else None,
+            "stage_idle": best.get("stage_idle") if best else None,
+            "bubble_per_step": [e["bubble"] for e in measured][:MAX_CURVE]}
 
 
 def _checkpoints(events: list[dict]) -> dict[str, Any]:

@@ -34,7 +34,8 @@ receives in the order it sends, which `check_plan` asks of every schedule.
 
 In an engine run (strategies pp and 3d with parallel.pp > 1) `record_pipeline` has each rank write a `pipeline`
 event per step into its event file: the schedule, the operations it ran in order, the peak activation bytes, the
-micro-batches in flight, and the step's bubble replayed from every stage's compute timeline (`replay_bubble`).
+micro-batches in flight, and the step's bubble replayed from every stage's compute timeline (`replay_bubble`), with
+each stage's idle fraction.
 """
 from __future__ import annotations
 
@@ -419,8 +420,9 @@ def typical_timeline(timeline: list) -> list:
 def record_pipeline(strategy, spec, info) -> None:
     """Have a pipelined engine strategy (train/mesh.py) write a `pipeline` event after each of its steps into this
     rank's event file: schedule, micro, stage, stages, the operations run in order (`ops`, e.g. "F0 F1 B0 ..."),
-    activation_peak_bytes, peak_in_flight, busy_s, wall_s and the step's bubble replayed from every stage's
-    timeline (gathered over the pipeline's group: every stage reports the same value)."""
+    activation_peak_bytes, peak_in_flight, busy_s, wall_s, the step's bubble replayed from every stage's timeline
+    (gathered over the pipeline's group: every stage reports the same value) and each stage's idle fraction of
+    that replayed step (`stage_idle`, by stage; their mean is the bubble)."""
     from ..run.events import EventWriter
     inner = strategy.forward_backward
     writer: list = []
@@ -434,16 +436,19 @@ def record_pipeline(strategy, spec, info) -> None:
         timelines = [None] * stage.stages
         dist.all_gather_object(timelines, r["timeline"], group=stage.group)
         try:
-            bubble = replay_bubble(timelines)["bubble"]
+            replay = replay_bubble(timelines)
+            bubble = replay["bubble"]
+            span = replay["span_s"]
+            idle = [1 - busy / span if span > 0 else 0.0 for busy in replay["busy_s"]]
         except ValueError:
-            bubble = None
+            bubble, idle = None, None
         if not writer:
             writer.append(EventWriter(spec.output_dir, info.rank))
         writer[0].emit("pipeline", schedule=spec.pipeline.schedule, micro=spec.pipeline.micro_batches,
                        stage=stage.stage, stages=stage.stages,
                        ops=" ".join(f"{op}{i}" for op, i, _, _ in r["timeline"]),
                        activation_peak_bytes=r["activation_peak_bytes"], peak_in_flight=r["peak_in_flight"],
-                       busy_s=r["busy_s"], wall_s=r["wall_s"], bubble=bubble)
+                       busy_s=r["busy_s"], wall_s=r["wall_s"], bubble=bubble, stage_idle=idle)
         return loss
 
     strategy.forward_backward = forward_backward
