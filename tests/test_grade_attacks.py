@@ -7,7 +7,8 @@
   /srv) and the batch's other submissions sit outside any folder the old deny-list knew of.
 - *Nothing a submission does is a grader_error*: a malformed record output is the student's note; a kernel that
   kills its parent (the process running papermill) or jams it is the student's own status, with no internal
-  path or log in the message; the batch exits 0.
+  path or log in the message; a lone surrogate escape in the notebook's JSON is text like any other; the batch
+  exits 0.
 
 The walk skips /proc and /sys (kernel views, not files; /proc shows only the run's own processes, proven in
 test_grade_batch.py) and follows no link.
@@ -102,7 +103,7 @@ def _write(path: Path, nb: dict) -> None:
 @pytest.fixture(scope="module")
 def attacked(tmp_path_factory):
     """One batch: the snoop, a classmate's correct notebook, a malformed record, a killed parent, a jammed
-    executor. The submissions and a readable copy of the course (mode 755, as on an ordinary grading host) sit in
+    executor, a lone surrogate in the notebook. The submissions and a readable copy of the course (mode 755, as on an ordinary grading host) sit in
     /srv, outside every temporary folder."""
     srv = Path(tempfile.mkdtemp(prefix="sl-attack-", dir="/srv" if os.access("/srv", os.W_OK) else None))
     srv.chmod(0o755)
@@ -119,6 +120,9 @@ def attacked(tmp_path_factory):
         _write(subs / "malformed_record.ipynb", make_fixtures.lab_cells(ex1, ex2, [MALFORMED_RECORD]))
         _write(subs / "kills_parent.ipynb", make_fixtures.lab_cells(ex1, ex2, [KILLS_PARENT]))
         _write(subs / "jams_executor.ipynb", make_fixtures.lab_cells(ex1, ex2, [JAMS_EXECUTOR]))
+        lone = make_fixtures.lab_cells(ex1, ex2)  # a "\udc80" escape is valid JSON, and no UTF-8 text can hold it
+        lone["cells"][0]["source"] = "LONE"
+        (subs / "lone_surrogate.ipynb").write_text(json.dumps(lone).replace('"LONE"', '"a lone \\udc80 surrogate"'))
         out, stdout = tmp_path_factory.mktemp("attacks") / "grades", io.StringIO()
         with contextlib.redirect_stdout(stdout):
             code = main(["grade", str(LAB), *sorted(map(str, subs.glob("*.ipynb"))), "-j", "2", "--out", str(out),
@@ -161,6 +165,11 @@ def test_a_malformed_record_output_is_the_students_note_not_a_grader_error(attac
     assert (r["status"], r["score"]) == ("ok", 8), r
     assert any("malformed record output was ignored" in n for n in r["notes"]), r["notes"]
     assert _records(attacked, "malformed_record")["after_the_malformed_one"] == 1
+
+
+def test_a_lone_surrogate_in_the_notebook_is_graded_like_any_text(attacked):
+    r = attacked["by"]["lone_surrogate"]
+    assert (r["status"], r["score"]) == ("ok", 8), r  # was a grader_error: the grader could not write it back
 
 
 @pytest.mark.parametrize("student", ["kills_parent", "jams_executor"])

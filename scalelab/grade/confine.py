@@ -259,7 +259,7 @@ def _fresh_root(plan: SandboxPlan) -> None:
     top-level links as links, a /proc of the run's PID namespace; then pivot_root, detach the old root, and make
     the new root itself read-only. Paths not on the list do not exist in the run at all.
     """
-    links = {p: os.readlink(p) for p in plan.system if os.path.islink(p)}
+    links = {p: os.readlink(p) for p in plan.system + plan.expose if os.path.islink(p)}  # a venv reached by a link
     links.update({p: t for p, t in FRESH_LINKS.items() if p not in links})
     binds = [(p, "ro") for p in plan.system + plan.expose if p not in links]
     binds += [(p, "dev") for p in plan.devices] + [(p, "rw") for p in plan.writable]

@@ -391,7 +391,7 @@ def _store_notebook(out: Path, student: str, nb: dict) -> str:
     import json
     nb, cuts = cap_notebook(nb)
     rel = Path("notebooks") / f"{file_key(student)}.ipynb"
-    (out / rel).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / rel).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8", errors="replace")
     return rel.as_posix()
 
 

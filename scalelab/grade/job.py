@@ -116,7 +116,9 @@ def guard_parameters(notebook: Path, reference: Path, parameters: dict) -> list[
             if hit:
                 notes.append(f"cell {i} assigns {hit}, which the grader sets as parameters: the values the "
                              "grader chose were overwritten there")
-    notebook.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
+    # A lone surrogate (a "\udc80" escape is valid JSON) cannot be written as UTF-8: papermill would fail saving the
+    # executed notebook before the first cell, the grader writing this file. Replaced, as a decoder would ("?").
+    notebook.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8", errors="replace")
     return notes[:10]
 
 

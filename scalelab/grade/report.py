@@ -116,7 +116,7 @@ def read_records_file(out: Path, student: str) -> dict:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8", errors="replace")  # a lone surrogate from a run's JSON becomes "?"
     tmp.replace(path)
 
 
@@ -141,7 +141,7 @@ def write_gradebook(out: Path) -> Path:
             if label not in names:
                 names.append(label)
     path = Path(out) / "gradebook.csv"
-    with _LOCK, open(path.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
+    with _LOCK, open(path.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8", errors="replace") as f:
         w = csv.writer(f)
         w.writerow([csv_cell(x) for x in ["student", "percent", "score", "max_score", "status", "message", *names]])
         for r in results:
@@ -170,7 +170,8 @@ def course_gradebook(grades_root: Path, out_csv: Path | None = None, late: dict[
     late = late or {}
     out_csv = Path(out_csv or grades_root / "course_gradebook.csv")
     private = lambda path, flags: os.open(path, flags, 0o600)  # noqa: E731 - every student's grades: owner only
-    with _LOCK, open(out_csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8", opener=private) as f:
+    with _LOCK, open(out_csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8", errors="replace",
+              opener=private) as f:
         os.chmod(f.fileno(), 0o600)  # a stale .tmp kept its old mode through O_CREAT
         w = csv.writer(f)
         head = ["Student"]
