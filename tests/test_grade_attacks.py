@@ -86,6 +86,17 @@ KILLS_PARENT = """import os, signal, time
 os.kill(os.getppid(), signal.SIGKILL)
 time.sleep(30)"""
 
+# Rewrites the executed notebook to look as if no cell had started (what a kernel that never started leaves), then
+# kills its parent: the runner must not take the grader's word from a file the student's code can write.
+FORGES_UNSTARTED = """import json, os, signal, time
+nb = json.load(open("../out/lab.ipynb"))
+for c in nb["cells"]:
+    c.get("metadata", {}).pop("papermill", None)
+    c["outputs"] = [] if c["cell_type"] == "code" else c.get("outputs")
+json.dump(nb, open("../out/lab.ipynb", "w"))
+os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(30)"""
+
 # Makes the papermill process's own temporary folder read-only, so it cannot write what happened.
 JAMS_EXECUTOR = """import glob, os, tempfile
 jammed = []
@@ -103,7 +114,8 @@ def _write(path: Path, nb: dict) -> None:
 @pytest.fixture(scope="module")
 def attacked(tmp_path_factory):
     """One batch: the snoop, a classmate's correct notebook, a malformed record, a killed parent, a jammed
-    executor, a lone surrogate in the notebook. The submissions and a readable copy of the course (mode 755, as on an ordinary grading host) sit in
+    executor, a killed parent whose executed notebook was made to look as if nothing had started, a lone surrogate
+    in the notebook. The submissions and a readable copy of the course (mode 755, as on an ordinary grading host) sit in
     /srv, outside every temporary folder."""
     srv = Path(tempfile.mkdtemp(prefix="sl-attack-", dir="/srv" if os.access("/srv", os.W_OK) else None))
     srv.chmod(0o755)
@@ -120,6 +132,7 @@ def attacked(tmp_path_factory):
         _write(subs / "malformed_record.ipynb", make_fixtures.lab_cells(ex1, ex2, [MALFORMED_RECORD]))
         _write(subs / "kills_parent.ipynb", make_fixtures.lab_cells(ex1, ex2, [KILLS_PARENT]))
         _write(subs / "jams_executor.ipynb", make_fixtures.lab_cells(ex1, ex2, [JAMS_EXECUTOR]))
+        _write(subs / "forges_unstarted.ipynb", make_fixtures.lab_cells(ex1, ex2, [FORGES_UNSTARTED]))
         lone = make_fixtures.lab_cells(ex1, ex2)  # a "\udc80" escape is valid JSON, and no UTF-8 text can hold it
         lone["cells"][0]["source"] = "LONE"
         (subs / "lone_surrogate.ipynb").write_text(json.dumps(lone).replace('"LONE"', '"a lone \\udc80 surrogate"'))
@@ -172,11 +185,12 @@ def test_a_lone_surrogate_in_the_notebook_is_graded_like_any_text(attacked):
     assert (r["status"], r["score"]) == ("ok", 8), r  # was a grader_error: the grader could not write it back
 
 
-@pytest.mark.parametrize("student", ["kills_parent", "jams_executor"])
+@pytest.mark.parametrize("student", ["kills_parent", "jams_executor", "forges_unstarted"])
 def test_a_kernel_that_kills_or_jams_its_parent_gets_its_own_status_without_internal_paths(attacked, student):
     r = attacked["by"][student]
-    assert r["status"] in ("killed", "crashed"), r
-    assert r["score"] == 8, r  # everything recorded before counts
+    assert r["status"] == ("crashed" if student == "jams_executor" else "killed"), r
+    # everything recorded before counts (the forger erased its own records)
+    assert r["score"] == (0 if student == "forges_unstarted" else 8), r
     shown = json.dumps({k: r[k] for k in ("message", "execution", "notes")})
     for internal in ("scalelab-grade-", "scalelab-exec-", "job.json", "Traceback", "executor exited", "/work/",
                      str(attacked["out"])):

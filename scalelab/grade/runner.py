@@ -8,11 +8,14 @@ namespace is gone, the runner writes the outcome to JOB["outcome"], a file in th
 run cannot reach. So no file the student's code writes decides the status: a run that kills the process
 holding the pipe gets `killed`, and one that writes an outcome file of its own only wrote a file.
 
-What the notebook's code does to the processes running it is the student's, never the grader's: once that code
-has started (papermill marked a cell as started in the executed notebook), a failure of the executor (its process
-killed, its temporary folder jammed, its output rewritten into something it cannot read back) is the student's
-`killed` (a signal) or `crashed` status, told without the grader's paths or logs (those go to the runner's log,
-for the instructor). Only a failure before any of the student's code ran is a `grader_error`.
+What the notebook's code does to the processes running it is the student's, never the grader's: once the kernel
+exists (`KernelWatch` sees the executor's child from this process, which the run cannot touch: every file and
+message the executor leaves can be rewritten by the student's code, which runs as the same uid), a failure of the
+executor (its process killed, its temporary folder jammed, its output rewritten into something it cannot read
+back) is the student's `killed` (a signal) or `crashed` status, told without the grader's paths or logs (those go
+to the runner's log, for the instructor). Only a failure before any kernel existed is a `grader_error`. A kernel
+that cannot start at all on this machine therefore reads as `crashed` in every submission: the runner's log says
+why, and the lab's reference, graded first, shows it.
 
 Parameters the submission's `parameters` cell no longer declares, or all of them when no cell is tagged
 `parameters` any more, are left out (with a note) rather than failing the whole run: the student then runs with
@@ -26,6 +29,7 @@ import re
 import signal
 import stat
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -117,6 +121,7 @@ def _execute(job: dict) -> dict:
         notes.append("your notebook has no cell tagged 'parameters' (was the tag removed?): the grader's "
                      f"parameters {sorted(parameters)} could not be set, so your own values were used")
         parameters = {}
+    _KERNEL_WATCH.start()
     kw = dict(output_path=job["output"], cwd=job["cwd"], cell_timeout=job["cell_timeout"],
               total_timeout=job["total_timeout"], output_limit=job.get("output_limit"),
               continue_on_error=job.get("continue_on_error", True))
@@ -142,11 +147,10 @@ def _failure(job: dict, error: BaseException, message: str) -> dict:
     details go to the runner's log only), else the grader's own `grader_error`."""
     sys.stderr.write(f"{message}\n{traceback.format_exc()[-MAX_TRACEBACK_CHARS:]}\n")
     sys.stderr.flush()
-    started = _started_cell(job["output"])
-    if started is None:
+    if not _KERNEL_WATCH.seen.is_set():
         return {"status": "grader_error", "message": message,
                 "traceback": traceback.format_exc()[-MAX_TRACEBACK_CHARS:]}
-    where = {k: v for k, v in started.items() if v is not None}
+    where = _started_cell(job["output"])
     signalled = re.search(r"the executor exited -(\d+)\b", str(error))
     if signalled:
         sig = int(signalled.group(1))
@@ -161,20 +165,53 @@ def _failure(job: dict, error: BaseException, message: str) -> dict:
 MAX_STARTED_BYTES = 64 * 2**20
 
 
-def _started_cell(output: str) -> dict | None:
-    """Whether the student's code had started, read from the executed notebook papermill keeps: None when no cell
-    was started (papermill never reached the notebook's code), else where the run was ({"cell_index", "cell_tags"};
-    empty when the file says nothing readable: only the notebook's own code can have made it so)."""
+class KernelWatch:
+    """Whether the kernel was ever started, seen from the confined runner itself (not dumpable: the run can neither
+    trace it nor write to it): a thread looks every POLL_S for a grandchild, the executor's child. Nothing of the
+    notebook runs before the kernel exists, so a failure before that is the grader's."""
+
+    POLL_S = 0.1
+
+    def __init__(self):
+        self.seen = threading.Event()
+        self._thread = None
+
+    def start(self) -> None:
+        """Start looking (once), in a daemon thread that ends when the kernel is seen."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._look, name="kernel-watch", daemon=True)
+            self._thread.start()
+
+    def _look(self) -> None:
+        import psutil
+        me = os.getpid()
+        while not self.seen.is_set():
+            try:
+                if any(p.ppid() != me for p in psutil.Process(me).children(recursive=True)):
+                    self.seen.set()
+                    return
+            except psutil.Error:
+                pass
+            time.sleep(self.POLL_S)
+
+
+_KERNEL_WATCH = KernelWatch()
+
+
+def _started_cell(output: str) -> dict:
+    """Where the run was, as the executed notebook papermill keeps says (the last cell it marked as started:
+    {"cell_index", "cell_tags"}); {} when it says nothing readable. A hint for the message only: the notebook's own
+    code may have rewritten the file."""
     try:
         st = os.lstat(output)
     except OSError:
-        return None
+        return {}
     if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STARTED_BYTES:
         return {}
     try:
         with open(output, "rb") as f:
             cells = json.loads(f.read(MAX_STARTED_BYTES))["cells"]
-        found, index = None, -1
+        found, index = {}, -1
         for cell in cells:
             meta = cell.get("metadata") or {}
             tags = [t for t in meta.get("tags") or [] if isinstance(t, str)]
