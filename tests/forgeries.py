@@ -407,54 +407,64 @@ record("job_run", None)
 '''
 
 LAB05 = '''
-import math
-n, batch, latency_ms, bw, compute_ms = 2000, 32, 2.0, 100.0, 8.0
-record("pfs_params", {"open_latency_ms": latency_ms, "bandwidth_mb_s": bw, "batch": batch, "compute_ms": compute_ms,
-                      "samples": n, "ranks": 4, "straggler_slowdown": 4.0})
-record("layouts", [{"layout": "files", "files": n, "bytes": 2_100_000}, {"layout": "shards", "files": 8, "bytes": 2_050_000},
-                   {"layout": "shards-zlib", "files": 8, "bytes": 1_900_000}, {"layout": "hdf5", "files": 1, "bytes": 2_060_000}])
-def fmt(layout, where, opens, nbytes, elapsed):
-    return {"layout": layout, "where": where, "samples": n, "opens": opens, "opens_per_sample": opens / n,
-            "bytes": nbytes, "elapsed_s": elapsed, "samples_per_s": n / elapsed}
-local = fmt("files", "local", n, 2_100_000, 0.5)
-pfs = fmt("files", "pfs", n, 2_100_000, 0.5 + n * latency_ms / 1000 + 2_100_000 / (bw * 1e6))
-formats = [local, pfs, fmt("shards", "local", 8, 2_050_000, 0.1), fmt("shards", "pfs", 8, 2_050_000, 0.14)]
-record("formats", formats)
-record("predicted_pfs_files_s", local["elapsed_s"] + pfs["opens"] * latency_ms / 1000 + pfs["bytes"] / (bw * 1e6))
-sweep = []
-for w, sps, stall in ((0, 900.0, 0.6), (1, 1500.0, 0.4), (2, 2900.0, 0.1), (4, 3300.0, 0.02), (8, 3400.0, 0.01)):
-    sweep.append({"threads": w, "samples_per_s": sps, "stall_fraction": stall, "batches": 20, "read_s": 0.4,
-                  "decode_s": 0.05, "mean_occupancy": w})
-record("prefetch_sweep", sweep)
-record("needed_threads", math.ceil((0.4 + 0.05) / 20 / (compute_ms / 1000)))
-record("chosen_threads", 4)
-record("cache_epochs", [{"where": "pfs", "epoch": 0, "samples_per_s": 900.0, "pfs_opens": 1000},
-                        {"where": "cached", "epoch": 0, "samples_per_s": 850.0, "pfs_opens": 1000},
-                        {"where": "cached", "epoch": 1, "samples_per_s": 9000.0, "pfs_opens": 0}])
-record("reuse", {"accesses": 3000, "median_distance": 1000.0, "future_hit_rate": 0.45, "lru_hit_rate_lib": 0.12})
-record("lru_hit_rate", 0.12)
-record("order_aware", [{"policy": "read-ahead", "fetches": 800, "accesses": 800, "hits": 0, "misses": 800, "elapsed_s": 2.0},
-                       {"policy": "order-aware", "fetches": 600, "accesses": 800, "hits": 200, "misses": 600, "elapsed_s": 1.5}])
-def strag(busy, step_s, waits):
-    return {"rank_busy_s": busy, "step_s": step_s, "efficiency": sum(busy) / len(busy) / step_s, "wait_s": waits}
-record("straggler", {"even": strag([0.1] * 4, 0.1, [0.0] * 4),
-                     "straggler": strag([0.1, 0.1, 0.1, 0.4], 0.4, [0.3, 0.3, 0.3, 0.0])})
-record("predicted_efficiency", (3 + 4.0) / (4 * 4.0))
-losses = [1.4 - 0.01 * i for i in range(15)]
+record("setup", {"samples": 200, "sample_size": 4096, "per_shard": 32, "bandwidth": 8e6, "opens_per_s": 400.0,
+                 "root": "runs/lab05/data", "readers": 4})
+record("scaling", {"rows": [{"readers": n, "per_reader_mb_s": 7.6 / n, "min_mb_s": 7.5 / n, "max_mb_s": 7.7 / n,
+                             "total_mb_s": 7.6, "budget_mb_s": 8.0, "fair_mb_s": 8.0 / n} for n in (1, 2, 4)],
+                   "log": "runs/lab05/servers/scaling/requests.jsonl"})
+record("epoch_layouts", {"written": {"written": True, "files": 8, "bytes": 827000, "code": {"my_shards.py": "0" * 64},
+                                     "why": ""},
+                         "files": {"layout": "files", "opens": 200, "bytes": 819200, "requests": 200, "seconds": 0.6,
+                                   "wrong_bytes": 0, "log": "runs/lab05/servers/epoch-files/requests.jsonl"},
+                         "shards": {"layout": "shards", "opens": 7, "bytes": 819200, "requests": 207, "seconds": 0.15,
+                                    "wrong_bytes": 0, "log": "runs/lab05/servers/epoch-shards/requests.jsonl"}})
+epochs = [{"epoch": e, "counts": [67, 67, 66], "overlap": 0, "covered": 200, "repeats": 0} for e in (0, 1)]
+record("sampler_run", {"log": "runs/lab05/servers/sampler/requests.jsonl", "layout": "shards", "world": 3, "epochs": 2,
+                       "code": {"my_sampler.py": "0" * 64}, "index": "runs/lab05/data/shards/index.json",
+                       "verdict": {"epochs": epochs, "disjoint": True, "complete": True, "balanced": True,
+                                   "reshuffled": True, "misplaced": 0}})
+jobs = [{"job": "train-a", "user": "alice", "ranks": 1, "chunk": 32768},
+        {"job": "train-b", "user": "bob", "ranks": 2, "chunk": 32768},
+        {"job": "bulk-c", "user": "bob", "ranks": 1, "chunk": 131072}]
+def row(policy, shares):
+    return {"policy": policy, "log": f"runs/lab05/servers/policy-{policy.replace(':', '-')}/requests.jsonl",
+            "jobs": {j: {"share": s, "target": None, "error_vs_target": None, "error_vs_job_fair": abs(3 * s - 1),
+                         "slowdown": 1 / s / 3} for j, s in zip(("train-a", "train-b", "bulk-c"), shares)},
+            "worst_error_vs_job_fair": max(abs(3 * s - 1) for s in shares), "code": {}, "policy_errors": []}
+record("fair_share", {"jobs": jobs, "rows": [row("fifo", (0.14, 0.29, 0.57)), row("job-fair", (1 / 3,) * 3),
+                                             row("my_policy:pick", (1 / 3,) * 3)]})
+losses = [1.4 - 0.01 * i for i in range(5)]
 engine = []
-for fmt_name, step_s, data in (("files", 0.08, 0.75), ("shards", 0.02, 0.1)):
-    run_dir = f"runs/lab05/engine-{fmt_name}"
-    engine.append({"format": fmt_name, "samples_per_s": batch / step_s, "data_fraction": data,
-                   "final_loss": losses[-1], "run_dir": run_dir})
+for name, step_s, data, wait in (("engine-alone", 0.06, 0.6, 0.3), ("engine-beside-bulk-c", 0.9, 0.95, 25.0)):
+    run_dir = f"runs/lab05/data/runs/{name}"
+    engine.append({"name": name, "run_dir": run_dir, "log": f"runs/lab05/servers/{name}/requests.jsonl",
+                   "samples_per_s": 32 / step_s, "data_fraction": data, "final_loss": losses[-1], "ranks": [0, 1],
+                   "requests": 326, "bytes": 330000, "mean_wait_ms": wait, "other_bytes": 0 if wait < 1 else 1e8})
     if EVENTS:
-        fake_run(run_dir, losses=losses, batch=batch, step_s=step_s, data_fraction=data)
-record("engine_formats", engine)
+        fake_run(run_dir, world=2, losses=losses, batch=32, step_s=step_s, data_fraction=data)
+record("engine_runs", engine)
+record("spread", {"rows": [{"run": run, "epoch": e, "local_reads": 0 if run == "shared" else 134,
+                            "remote_reads": 0 if run == "shared" else 122, "shared_reads": 256 if run == "shared" else 0,
+                            "seconds": 0.1, "remote_pairs": {}, "path": ["default"] if run == "shared"
+                            else ["my_reader:read_sample"]} for run in ("shared", "spread") for e in (0, 1)],
+                  "staged": {}, "run_dirs": {"shared": "runs/lab05/runs/ex-shared", "spread": "runs/lab05/runs/ex-spread"}})
+record("cache", {"rows": [], "cut": {"none": 0.0, "private": 0.26, "node": 1.0}, "target": 0.75,
+                 "run_dirs": {"cache-node": "runs/lab05/runs/ex-cache-node"}})
+record("balance", {"rows": [{"read_threads": r, "decode_threads": 4 - r, "samples_per_s": 150.0,
+                             "model_samples_per_s": 800.0} for r in (1, 2, 3)], "best": [2, 2], "predicted": [2, 2]})
 '''
 
 NOT_WRITTEN = {"06_checkpointing": {"kill_leaves_no_partial_checkpoint", "restore_loads_only_intact_checkpoints",
-                                     "resumed_after_the_kill_equals_the_whole_run"}}
+                                     "resumed_after_the_kill_equals_the_whole_run"},
+               "05_data_pipeline": {"per_reader_bandwidth_falls_as_one_over_n", "shards_cut_the_opens",
+                                    "sampler_is_disjoint_complete_and_reshuffled", "policy_holds_job_fair_shares",
+                                    "fifo_is_not_fair", "recorded_shares_are_the_logs",
+                                    "engine_runs_read_through_the_server", "contention_slows_the_training_run",
+                                    "read_path_uses_the_nodes_not_the_shared_fs",
+                                    "node_cache_cuts_shared_reads_by_n_minus_1_over_n"}}
 """Hidden checks that judge files other than event files, which these forgeries do not write (lab 06's kill test:
-its processes' logs and the folders they left): they fail the forgery for want of those files. Those files have no
+its processes' logs and the folders they left; lab 05's storage servers' request logs and the spread runs' read
+events): they fail the forgery for want of those files. Those files have no
 clock to hold them to; a forger who wrote them consistently would pass them (docs/grading.md, "Forged records")."""
 
 FORGERIES = {"01_single_device": LAB01, "02_data_parallel": LAB02, "03_horovod": LAB03, "04_scaling": LAB04,

@@ -82,10 +82,13 @@ def test_the_forgeries_fit_the_recomputation_checks(lab):
     for c in checks:
         c.needs_run = False
     results = run_checks(checks, forged_records(lab_dir))
-    earned, most = sum(r.points for r in results), sum(r.max_points for r in results)
-    unmet = [f"{r.name}: {r.message}" for r in results if r.outcome != "pass" and "grader.runs" not in r.message]
+    unwritten = NOT_WRITTEN.get(lab, set())  # checks of files the forgery cannot have: they read no records
+    earned = sum(r.points for r in results)
+    most = sum(r.max_points for r in results if r.name not in unwritten)
+    unmet = [f"{r.name}: {r.message}" for r in results
+             if r.outcome != "pass" and "grader.runs" not in r.message and r.name not in unwritten]
     assert not unmet, unmet  # every check that does not read the evidence passes
-    # and they earn at least half the lab's points that way (the code exercises' checks read only the evidence)
+    # and they earn at least half of the points records could earn (the code exercises' checks read only evidence)
     assert earned >= 0.5 * most, f"{earned}/{most}"
 
 
