@@ -527,6 +527,8 @@ def hidden_paths(lab: Lab, submissions: list[Path], out: Path, base: Path, extra
     checkouts the lab and the scalelab packages (the grader's and the runs', `needed`) live in — shown to the run
     as empty folders but for what it needs inside them (`needed`), so no other copy of the labs in them is seen.
     A path the runs need (or the job folders' `base`) is never hidden; a folder holding one is covered instead.
+    In a fresh root (as root) none of these exist anyway: `hide` is what the run checks is gone once confined, and
+    `cover` matters only to the deny-list (without root).
     """
     needed = [Path(p) for p in (needed if needed is not None else needed_paths())]
     cands = {lab.path, out, *[Path(p).resolve() for p in extra]}

@@ -71,7 +71,7 @@ ETC_FILES = ("passwd", "group", "hosts", "host.conf", "nsswitch.conf", "gai.conf
              "mime.types", "os-release", "protocols", "services", "fonts", "mtab", "matplotlibrc", "openmpi",
              "python3", "python3.*")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
-"""Device files of the fresh root's /dev (with the GPUs': `gpu_devices`); /dev/shm is a private tmpfs."""
+"""Device files of the fresh root's /dev (with every /dev/nvidia*: `device_paths`); /dev/shm is a private tmpfs."""
 
 
 class SandboxError(ScalelabError):
