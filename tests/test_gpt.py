@@ -14,7 +14,10 @@ from scalelab.train.gpt import GPT, Throughput, device_peak, flops_per_token, ru
 from helpers import final_params, tiny
 
 GPT_TINY = {"model.name": "gpt", "model.preset": "tiny", "data.source": "pysrc", "data.seq_len": 64,
-            "data.samples": 4096, "optim.name": "adamw", "optim.lr": 0.003, "optim.batch_per_worker": 32}
+            "data.samples": 4096, "optim.name": "adamw", "optim.lr": 0.003, "optim.batch_per_worker": 32,
+            "world.threads_per_worker": 1}
+# one torch thread per rank: on a loaded 2-core machine two threads per rank spun against each other (100 steps:
+# 190-209 s of steps with 2 threads against 8-17 s with 1, runs interleaved at load 13)
 SAME = 4  # steps each strategy runs and compares with the one-process run's first steps
 
 

@@ -110,13 +110,16 @@ class GPT(nn.Module):
     def forward(self, x):
         # a pipeline stage lacks the parts of other stages (keep_units): it runs what it has
         if self.embed is not None:
-            ids = x.long()  # ids arrive as float32 (data/pysrc.py says why)
-            x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            x = self._embedded(x)
         for block in self.blocks:
             x = block(x)
         if self.head is not None:
             x = self.head(self.norm(x)).transpose(1, 2)  # (b, 256, t): F.cross_entropy's layout for sequences
         return x
+
+    def _embedded(self, x):
+        ids = x.long()  # ids arrive as float32 (data/pysrc.py says why)
+        return self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
 
     # pipeline units: 0 = embeddings, 1..depth = blocks, depth + 1 = norm and head
     def unit_sizes(self) -> list[int]:
@@ -128,8 +131,7 @@ class GPT(nn.Module):
     def forward_units(self, x, first: int, last: int):
         """Run pipeline units [first, last) on x (the whole model: every part present)."""
         if first == 0:
-            ids = x.long()
-            x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            x = self._embedded(x)
         for i in range(max(first, 1), min(last, self.depth + 1)):
             x = self.blocks[i - 1](x)
         if last == self.depth + 2:
