@@ -20,7 +20,7 @@ def reference(lab_gradings):
 
 
 def test_reference_solution_grades_full_marks_within_budget(reference):
-    assert_full_marks_within(LAB, reference, 240)  # lab.yaml total_timeout_s; graded beside another lab under load
+    assert_full_marks_within(LAB, reference)
 
 
 def test_reference_numbers_tell_the_lab_story(reference):
@@ -53,7 +53,10 @@ def test_a_plausible_mistake_in_each_code_exercise_loses_its_points(lab_gradings
 
 
 @pytest.mark.parametrize("forge, check_name", [
-    (lambda r: r.update(predicted_full_sps=r["split"]["full"]), "prediction_is_the_serial_formula"),
+    # the slowest stage's rate (a pipelined step's, not a serial one's): above the serial formula by 1 + min/max;
+    # (copying the measured full rate was the old forgery here: a good measurement can match the formula to 0.1 %)
+    (lambda r: r.update(predicted_full_sps=min(r["split"]["data"], r["split"]["compute"])),
+     "prediction_is_the_serial_formula"),
     (lambda r: r.update(predicted_full_sps=r["split"]["data"] + r["split"]["compute"]), "full_step_predicted"),
     (lambda r: r.update(bottleneck="compute" if r["bottleneck"] == "data" else "data"), "bottleneck_named"),
     (lambda r: r.update(chosen_workers=max(x["workers"] for x in r["loader_sweep"]) + 1), "workers_chosen"),
