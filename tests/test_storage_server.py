@@ -3,6 +3,7 @@ pick the request they claim to, a policy of the student's runs inside it, and it
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 
@@ -209,3 +210,27 @@ def test_shares_count_only_the_window_where_every_job_reads():
               [{"op": "read", "job": "b", "t": t, "bytes": 30} for t in (1.0, 2.0)]
     assert window(entries) == (1.0, 2.0)
     assert shares(entries) == {"a": 0.25, "b": 0.75}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a reader as another account")
+def test_a_classmates_process_on_the_node_is_refused_and_logged(data, tmp_path):
+    """ATTACK: while a student's server runs, a classmate's process on the same node connects to its port (any
+    port on the loopback can be found) to read the student's data or to skew the shares with requests of its own.
+    It is refused before any request, and the refusal is logged with its uid. Control: the server's own account
+    reads (every other test here)."""
+    import subprocess
+    import sys
+    code = ("import sys; from scalelab.data.storage_server import StorageClient, StorageServerError\n"
+            "try:\n"
+            "    c = StorageClient(sys.argv[1], job='snoop'); print('READ', len(c.get('big.bin')))\n"
+            "except StorageServerError as e:\n"
+            "    print('REFUSED', e)\n")
+    with ServerProcess.start(data, tmp_path / "srv", bandwidth=1e8, opens_per_s=1000) as srv:
+        out = subprocess.run([sys.executable, "-c", code, srv.address], user=65534, group=65534, extra_groups=[],
+                             capture_output=True, text=True, timeout=120, cwd="/")
+        with StorageClient(srv.address, job="mine") as c:  # control
+            assert len(c.get("small.bin")) == 100
+    assert out.stdout.startswith("REFUSED") and "yours is uid 65534" in out.stdout, (out.stdout, out.stderr[-2000:])
+    entries = read_log(srv.log_path)
+    assert [e["uid"] for e in entries if e.get("event") == "refused"] == [65534]
+    assert not [e for e in entries if e.get("job") == "snoop"]

@@ -21,6 +21,11 @@ SHA-256 of a policy's code), then one line per served request: t (s since start,
 rank, host, tag, op (open | read | get), name, offset, bytes, opens, wait (s from arrival to served), queue (requests
 waiting then).
 
+Who may read: on its node, only processes of the server's own account (the owner of the connecting socket, from
+/proc/net/tcp): a classmate's process on a shared node is refused (its uid logged), so it can neither read the
+student's data nor skew the shares. A connection from another node has no owner this node can see and is served,
+as a parallel file system serves the cluster's network.
+
 What it does not model: several storage targets, client caches, write traffic. It serves only files beneath
 `root` (no path with '..', no absolute path, no symbolic link followed out of it).
 """
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scalelab.errors import ScalelabError  # absolute: the server process loads this file alone (no torch)
+from scalelab.run.sockets import socket_owner
 
 POLICIES = ("fifo", "size-fair", "job-fair", "user-fair")
 """The built-in policies; any other value must be "module:function" (a policy of the student's)."""
@@ -263,6 +269,12 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self):
         server: Server = self.server.state
+        owner = socket_owner(self.client_address, self.request.getsockname())  # the client's end: its owner
+        if owner is not None and owner != os.geteuid():  # another account's process on this node: not its data
+            server._write({"event": "refused", "t": round(time.monotonic() - server.t0, 6), "uid": owner})
+            self._reply({"ok": False, "error": f"this storage server serves only its own account's processes "
+                                               f"(uid {os.geteuid()}); yours is uid {owner}"})
+            return
         self.opened: set[str] = set()
         hello = None
         for line in self.rfile:
