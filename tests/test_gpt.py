@@ -111,10 +111,12 @@ def test_a_bad_gpt_setting_names_the_field(tmp_path, changes, field, hint):
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_gpt_reports_its_mfu_and_bf16_outruns_fp32(tmp_path):
-    # not run yet on a GPU (written without one): tools/gpu_check.sh runs it there (it greps for mark.gpu)
+    # tools/gpu_check.sh runs it (it greps for mark.gpu). A model big enough to keep the tensor cores busy: on an
+    # H100 (2026-11-27) the `small` preset at seq_len 256 was launch-bound and bf16's casts made it slower than fp32
+    # (357k against 478k tokens/s), which is the lab-01 lesson about small models, not a property of bf16
     speed = {}
     for precision in ("fp32", "bf16"):
-        run = launch(tiny(tmp_path, precision, workers=1, **{**GPT_TINY, "model.preset": "small", "data.seq_len": 256,
+        run = launch(tiny(tmp_path, precision, workers=1, **{**GPT_TINY, "model.preset": "medium", "data.seq_len": 512,
                                                             "data.samples": 2048, "optim.batch_per_worker": 16},
                           steps=12, device="cuda", precision=precision))
         run.wait(timeout=300)
