@@ -169,9 +169,10 @@ def parameter_defaults(notebook: str | Path) -> dict[str, Any]:
     return {}
 
 
-def parameter_table(notebook: str | Path) -> dict[str, tuple[Any, Any]]:
-    """The notebook's table of CPU and GPU-node parameters ({name: (cpu value, gpu value)}), read from the markdown
-    table whose header is `| parameter | CPU default | GPU node |`; {} when there is none.
+def parameter_table(notebook: str | Path, column: str = "GPU node") -> dict[str, tuple[Any, Any]]:
+    """The notebook's table of CPU and GPU parameters ({name: (cpu value, value in `column`)}), read from the
+    markdown table whose header is `| parameter | CPU default | GPU node |`, optionally with more columns after
+    those (e.g. `| one GPU |`, the hub's one-GPU profile gpu-1); {} when there is none or it lacks `column`.
 
     A row names one or more parameters in backticks (`` `a`, `b` ``) and gives their values as Python literals,
     comma-separated for several; a trailing remark in parentheses is ignored. A value that is not a literal (e.g.
@@ -197,15 +198,19 @@ def parameter_table(notebook: str | Path) -> dict[str, tuple[Any, Any]]:
             continue
         lines = cell_source(cell).split("\n")
         for i, line in enumerate(lines):
-            if [c.strip() for c in line.strip().strip("|").split("|")] != ["parameter", "CPU default", "GPU node"]:
+            header = [c.strip() for c in line.strip().strip("|").split("|")]
+            if header[:3] != ["parameter", "CPU default", "GPU node"]:
                 continue
+            if column not in header[2:]:
+                return {}
+            at = header.index(column, 2)
             out = {}
             for row in lines[i + 2:]:
                 cells = [c.strip() for c in row.strip().strip("|").split("|")] if row.strip().startswith("|") else []
-                if len(cells) != 3:
+                if len(cells) != len(header):
                     break
                 names = re.findall(r"`([A-Za-z_]\w*)`", cells[0])
-                for name, cpu, gpu in zip(names, values(cells[1], len(names)), values(cells[2], len(names))):
+                for name, cpu, gpu in zip(names, values(cells[1], len(names)), values(cells[at], len(names))):
                     out[name] = (cpu, gpu)
             return out
     return {}
