@@ -1,8 +1,8 @@
 """Lab 05 (the data pipeline on shared storage) runs under papermill at its grading parameters and grades 100 %;
 its story holds in the servers' logs and the runs' files; the wrong code of tests/wrong/05.py (a shard per sample, a
 sampler whose ranks overlap, a policy that serves the busiest job first, a read path that always reads the shared
-file system) loses the points of its exercise; a wrong or forged record fails the check that guards it. The 2-node
-spread run (remote reads between namespace nodes) is tests/test_data_spread.py's."""
+file system) loses the points of its exercise; a wrong or forged record fails the check that guards it. At nodes = 2
+on the namespace cluster the lab's own read path reads across the two nodes (the last test)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,8 @@ import pytest
 from scalelab.experiments.storage import run_log, shares
 from scalelab.grade.evidence import WORKDIR
 
-from labtests import ROOT, assert_check_notices, assert_full_marks_within, assert_wrong_code_loses
+from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_wrong_code_loses,
+                      grading_parameters, working_copy)
 
 LAB = ROOT / "labs" / "05_data_pipeline"
 pytestmark = pytest.mark.slow
@@ -73,3 +74,31 @@ def test_wrong_code_loses_the_points_of_its_exercises(lab_gradings):
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)
+
+
+@pytest.mark.slurm
+@pytest.mark.netns
+def test_the_lab_at_two_nodes_reads_across_them_through_the_students_read_path(nodes_cluster, tmp_path):
+    """Section 6 at nodes = 2 on the namespace cluster: the reference's read path (my_reader.py, written by the lab's
+    own cell) runs as one rank on each node; the remote reads cross between the two hosts, both ways, and the ranks'
+    files alone say the same (spread_verdict, the grader's reader). The other sections run at their smallest sizes."""
+    from scalelab.course.execute import execute_notebook
+    from scalelab.experiments import spread as sx
+    params = {**grading_parameters(LAB), "nodes": 2, "readers": [1, 2], "scan_seconds": 0.3, "share_seconds": 0.4,
+              "engine_steps": 3, "out_dir": str(tmp_path / "runs")}
+    work = working_copy(LAB, tmp_path / LAB.name)  # not in labs/: its %%writefile cells would change the lab there
+    result = execute_notebook(work / "lab.ipynb", params, output_path=tmp_path / "out.ipynb", cwd=work,
+                              cell_timeout=300, total_timeout=600, env=nodes_cluster.env())
+    assert result.ok, result.error and result.error.details()
+    across = result.records["spread_nodes"]
+    assert across["hosts"] == ["node1", "node2"], across  # one rank on each node
+    spread_rows = [r for r in across["rows"] if r["run"] == "nodes"]
+    assert spread_rows and all(r["path"] == ["my_reader:read_sample"] for r in spread_rows), spread_rows  # not the fallback
+    for row in spread_rows:
+        assert row["shared_reads"] == 0 and row["bad"] == 0 and row["remote_reads"] > 0, row
+        assert set(row["remote_pairs"]) == {"node1->node2", "node2->node1"}, row
+    verdict = sx.spread_verdict(tmp_path, across["run_dirs"]["nodes"])
+    assert verdict["hosts"] == {0: "node1", 1: "node2"} and verdict["nodes"] == 2, verdict
+    assert verdict["misplaced"] == verdict["misrouted"] == 0 and verdict["unserved"] == {0: 0, 1: 0}, verdict
+    assert verdict["not_once"] == [] and all(e["shared"] == 0 and e["remote"] > 0 for e in verdict["epochs"]), verdict
+    assert verdict["paths"] == ["my_reader:read_sample"] and all("my_reader.py" in c for c in verdict["code"].values())

@@ -169,7 +169,7 @@ def spread_across_nodes(out, env: dict | None = None, nodes: int = 2, epochs: in
                         path: str = "", timeout: float = 90) -> dict:
     """The spread run on `nodes` nodes of a multi-node Slurm (the namespace cluster), one rank per node (srun): each
     node stages its partition in its own /dev/shm and serves it on its own address. Returns spread_epochs' keys
-    plus "hosts" (rank -> host, from the start events) and "served" (each server's clients)."""
+    plus "hosts" (each rank's host, in rank order) and "served" (each server's clients)."""
     from ..cluster.slurm import slurm_command, slurm_env
     from ..run.procs import scrub_env
     out = _prepare(out, "nodes")
@@ -183,7 +183,7 @@ def spread_across_nodes(out, env: dict | None = None, nodes: int = 2, epochs: in
         raise SpreadError(f"srun of the spread ranks failed (exit {r.returncode}): {(r.stderr or r.stdout)[-2000:]}")
     results = [json.loads((run / f"result-rank-{k}.json").read_text()) for k in range(nodes)]
     served = [json.loads(p.read_text().splitlines()[-1]) for p in sorted((run / "events").glob("server-*.jsonl"))]
-    return {"rows": summarize("nodes", results), "hosts": {res["rank"]: res["host"] for res in results},
+    return {"rows": summarize("nodes", results), "hosts": [res["host"] for res in results],
             "served": served, "run_dirs": {"nodes": str(run)}}
 
 
