@@ -48,6 +48,7 @@ def test_the_tiny_gpt_learns_python_source_past_the_unigram_baseline(one_process
 @pytest.mark.parametrize("strategy, workers, changes", [
     ("ddp", 2, {"optim.batch_per_worker": 16}),
     ("fsdp", 2, {"optim.batch_per_worker": 16}),
+    ("fsdp", 2, {"optim.batch_per_worker": 16, "fsdp.offload": True}),  # ZeRO-Offload: the step on the CPU
     ("tp", 2, {}),
     ("pp", 2, {"pipeline.micro_batches": 4}),
     ("3d", 4, {"parallel.tp": 2, "parallel.pp": 2, "pipeline.micro_batches": 4}),  # dp 1 x pp 2 x tp 2

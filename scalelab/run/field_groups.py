@@ -242,6 +242,11 @@ class FSDPSpec:
     reshard_after_forward: bool = True
     """sharding=full: free each layer's gathered parameters after its forward and gather them again for backward
     (less memory, one more all-gather per layer); false keeps them until backward."""
+    offload: bool = False
+    """ZeRO-Offload (FSDP2's CPUOffloadPolicy): each rank keeps its shard of the parameters, gradients and
+    optimizer state in host memory, copies a unit's parameters to the device for its forward and backward, and
+    the optimizer steps on the CPU. Device memory falls to about one unit's gathered parameters plus activations;
+    each step pays the copies over PCIe. On a CPU run the copies are no-ops: the same code path, the same losses."""
 
 
 @dataclass

@@ -181,6 +181,7 @@ RULES = {
     "fault.recovery": (str, _choice(RECOVERIES)),
     "fsdp.sharding": (str, _choice(SHARDINGS)),
     "fsdp.reshard_after_forward": (bool, None),
+    "fsdp.offload": (bool, None),
     "pipeline.schedule": (str, _choice_or_code(SCHEDULES)),
     "pipeline.micro_batches": (int, _int_at_least(1, 1024)),
     "parallel.tp": (int, _int_at_least(1, 1024)),

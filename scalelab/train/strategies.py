@@ -301,6 +301,8 @@ class HorovodStrategy:
 #     sharding=grad_op  ZeRO-2 in time: like full, but never resharded between forward and backward.
 #     sharding=none     replicated (HSDP with shards of one rank): every rank holds everything and gradients
 #                       are all-reduced, i.e. DDP's memory and traffic through FSDP's code path.
+#     offload=true      ZeRO-Offload on top of any of them: the shards live in host memory, each unit's
+#                       parameters are copied to the device when gathered, and the optimizer steps on the CPU.
 #
 # Each `nn.Linear`, conv and transformer layer is its own FSDP unit (so only one unit's parameters are gathered at
 # a time), then the root. With the same seed, global batch and optimizer the loss follows DDP's to float
@@ -334,10 +336,14 @@ class FSDPStrategy(DDPStrategy):
         else:
             mesh = init_device_mesh(device, (w,))
         reshard = self.spec.fsdp.reshard_after_forward and sharding == "full"
+        kw = {"mesh": mesh, "reshard_after_forward": reshard}
+        if self.spec.fsdp.offload:  # ZeRO-Offload: shards live in (pinned, on a GPU) host memory, the step on the CPU
+            from torch.distributed.fsdp import CPUOffloadPolicy
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")
         names = {id(p): n for n, p in model.named_parameters()}
         for unit in _units(model):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(unit, **kw)
+        fully_shard(model, **kw)
         # fully_shard swapped every parameter for a DTensor: point the (still stateless) optimizer at the new ones
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
