@@ -102,7 +102,8 @@ def test_a_value_out_of_range_names_the_field_and_the_value(key):
 
 def test_ranged_fields_are_all_covered_by_the_out_of_range_test():
     free_text = {"data.path", "output_dir", "data.pin_memory", "checkpoint.resume", "data.compress",
-                 "fsdp.reshard_after_forward", "fsdp.offload", "model.activation_checkpointing", "model.compile", "optim.fused",
+                 "fsdp.reshard_after_forward", "fsdp.offload", "model.activation_checkpointing", "model.compile",
+                 "optim.fused",
                  "checkpoint.on_signal", "slurm.requeue", "checkpoint.local_dir",
                  "profile.enabled", "profile.record_shapes", "profile.profile_memory", "profile.with_stack",
                  "optim.comm_error_feedback"}
