@@ -17,6 +17,8 @@
 - `pipeline_schedule_runs`: engine runs (strategy pp) of the same model under several pipeline schedules (the
   engine's, torch.distributed.pipelining's, a student's module:function), each stage's peak activation bytes and
   operations and the bubble read from the runs' `pipeline` events.
+- `layout_runs`: engine runs of one spec (the gpt, say) under several strategies one after another (DDP, FSDP,
+  FSDP with CPU offload, tensor and pipeline parallel): losses, tokens/s and what rank 0 holds, from their events.
 - `reshard_save` / `reshard_restore`: an FSDP-sharded model and its Adam state saved with
   torch.distributed.checkpoint at one world size and restored at another (2 -> 1 -> 2), compared exactly.
 FSDP itself is the engine's strategy `fsdp`, and a dp x tp x pp mesh its strategy `3d` (`parallel.tp`,
@@ -317,6 +319,37 @@ def pipeline_schedule_runs(spec, schedules: dict[str, str], out_dir, timeout: fl
                       "peak_in_flight": [e["peak_in_flight"] for e in stages], "ops": [e["ops"] for e in stages],
                       "bubble": min(bubbles[1:] or bubbles) if bubbles else None, "formula": bubble_formula(p, m)}
     return {name: rows[name] for name in schedules}
+
+
+def layout_runs(spec, layouts: dict[str, dict], out_dir, timeout: float = 300) -> dict:
+    """Train `spec` once per layout, {name: spec changes} (e.g. {"ddp": {}, "tp": {"strategy": "tp"}}), into
+    out_dir/<name>, one run after another (on a few cores, runs side by side would take each other's tokens/s).
+    Per name: strategy, run_dir, world, loss_curve (each step's loss averaged over the ranks that report it: under
+    ddp and fsdp a rank's is that of its own part of the batch, under tp and pp every rank reports the whole
+    batch's), tokens_per_s (median of rank 0's steps after the first), and from rank 0's `memory` event the bytes
+    of parameters, gradients and optimizer state it holds (state_bytes), its device peak where there is a device,
+    and the step's collectives (comm)."""
+    from ..launch import launch
+    rows = {}
+    for name, changes in layouts.items():
+        run_spec = spec.with_overrides({**changes, "name": name, "output_dir": str(Path(out_dir) / name)})
+        run = launch(run_spec)
+        summary = run.wait(timeout=timeout)
+        events = run.events()
+        steps = [e for e in events if e["type"] == "step"]
+        per_step: dict = {}
+        for e in steps:
+            per_step.setdefault(e["step"], []).append(e["loss"])
+        memory = next(e for e in events if e["type"] == "memory" and e["rank"] == 0)
+        speed = [e["tokens_per_s"] for e in steps if e["rank"] == 0 and e.get("tokens_per_s")][1:]
+        rows[name] = {"strategy": run_spec.strategy, "run_dir": str(run.run_dir), "world": run_spec.world_size,
+                      "offload": bool(run_spec.fsdp.offload and run_spec.strategy == "fsdp"),
+                      "loss_curve": [sum(v) / len(v) for _, v in sorted(per_step.items())],
+                      "final_loss": summary["final_loss"], "tokens_per_s": _median(speed) if speed else None,
+                      **{k: memory[k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "state_bytes",
+                                                "device_peak_bytes") if k in memory},
+                      "comm": memory.get("comm", {})}
+    return rows
 
 
 def _precheck(schedule: str, stages: int, micro: int) -> None:
