@@ -2,7 +2,8 @@
 
 `LabGradings` (the session fixture `lab_gradings` in conftest.py) grades each lab once per run, in the grader's
 sandbox at its grading parameters, under load: its reference, its released student copy, a submission made before
-the modules moved (lab 05) and the two forgeries of tests/forgeries.py (labs 01-06), in one batch at -j 2, two labs'
+the modules moved (lab 05), the reference with its sizes re-assigned after injection (labs 07 and 09: SHRUNK) and
+the two forgeries of tests/forgeries.py (labs 01-06), in one batch at -j 2, two labs'
 batches at a time. Every test that needs a lab executed reads that batch: the grading tests (test_grade_labs), the
 forgery tests (test_grade_forgery), each lab's story tests (test_labNN: the records and evidence the checks ran on)
 and the site (the graded reference becomes build/executed/<lab>/, which `build_site` reuses). So a run executes
@@ -113,6 +114,27 @@ def wrong_copy(lab: Path, dest: Path) -> Path:
             if found:
                 break
         assert found, f"{lab.name}: no solution block holds the line {anchor!r} (tests/wrong/{lab.name[:2]}.py)"
+    return dest
+
+
+SHRUNK = {
+    "07_model_parallel": "steps = 2  # smaller runs than the grader asked for\npipeline_steps = 2\n",
+    "09_optimization": "globals().update(engine_steps=2, samples=8000, lars_steps=4)  # past a static look\n",
+}
+"""Per lab, the code of one cell placed right after the parameters cell of the reference, re-assigning sizes after
+the grader injected its values (the grader's values are injected right after the parameters cell): the submission
+`shrunk_params`, graded in the lab's shared batch. Its shrunk runs must lose their points (tests/test_grade_params.py).
+Labs 07 and 09: their batches have a free slot at -j 2 (lab 07: three other runs) or are the cheapest."""
+
+
+def shrunk_copy(lab: Path, dest: Path) -> Path:
+    """The reference working copy with SHRUNK[lab]'s cell right after the parameters cell."""
+    working_copy(lab, dest)
+    nb = json.loads((dest / "lab.ipynb").read_text())
+    at = next(i for i, c in enumerate(nb["cells"]) if "parameters" in c.get("metadata", {}).get("tags", []))
+    nb["cells"].insert(at + 1, {"cell_type": "code", "execution_count": None, "id": "shrunk-params", "metadata": {},
+                                "outputs": [], "source": SHRUNK[lab.name]})
+    (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
     return dest
 
 
@@ -362,6 +384,9 @@ def _grade_lab(lab: Path, tmp: Path, workdir: Path) -> LabBatch:
     if wrong_solutions(lab):  # one plausible mistake per code exercise, all in one submission
         wrong_copy(lab, subs / "wrong_code")
         names.append("wrong_code")
+    if lab.name in SHRUNK:  # the reference with its sizes re-assigned after injection
+        shrunk_copy(lab, subs / "shrunk_params")
+        names.append("shrunk_params")
     paths = [subs / n for n in names]
     if lab.name in FORGERIES:  # single notebooks, as a forger hands them in
         for kind, events in (("forged_records", False), ("forged_events", True)):

@@ -88,8 +88,10 @@ def test_the_forgeries_fit_the_recomputation_checks(lab):
     unmet = [f"{r.name}: {r.message}" for r in results
              if r.outcome != "pass" and "grader.runs" not in r.message and r.name not in unwritten]
     assert not unmet, unmet  # every check that does not read the evidence passes
-    # and they earn at least half of the points records could earn (the code exercises' checks read only evidence)
-    assert earned >= 0.5 * most, f"{earned}/{most}"
+    # and they earn at least 40 % of the points records could earn, twice what an untouched student copy may earn
+    # (test_grade_labs: at most 20 %): without the evidence, typing the numbers would pay. (It was a half until the
+    # points moved to the code exercises' checks, which read only evidence: issue 38 item 5; labs 02, 03 at 45-48 %.)
+    assert earned >= 0.4 * most, f"{earned}/{most}"
 
 
 @pytest.mark.parametrize("lab", sorted(FORGERIES))

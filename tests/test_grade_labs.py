@@ -74,6 +74,24 @@ def test_reference_grades_full_marks_and_student_copy_does_not(lab, lab_gradings
         assert legacy.status in ("ok", "cell_error"), _why(legacy)
 
 
+STUDENT_COPY_SHARE = 20.0
+"""The most an untouched student copy may score, in percent (issue 38 item 5): the points are for the student's own
+work, the code exercises and the checks of the student's own runs, not for cells that ran as released."""
+NOT_YET_REWEIGHTED = {"08_resilience": "lab 08's checks are another part of issue 38 (its copy scored 44 %)"}
+
+
+@pytest.mark.slow
+@labs
+def test_untouched_student_copy_scores_at_most_a_fifth(lab, lab_gradings):
+    if lab.name in NOT_YET_REWEIGHTED:
+        pytest.xfail(NOT_YET_REWEIGHTED[lab.name])
+    student = lab_gradings.batch(lab).by["student_copy"]
+    earned = sorted(((c.points, c.name) for c in student.checks if c.points), reverse=True)
+    assert student.percent <= STUDENT_COPY_SHARE, \
+        f"{lab.name}: the untouched student copy scored {student.percent} % (at most {STUDENT_COPY_SHARE:g} %): " \
+        f"{student.score}/{student.max_score} from {earned}"
+
+
 REBUILT_SINCE = {"05_data_pipeline"}
 """Labs rebuilt after their legacy submission was made (lab 05: issue 31's storage server, a new assignment)."""
 

@@ -22,7 +22,7 @@ from scalelab.experiments.own_step import low_precision_share
 from scalelab.experiments.profiling import read_run_file
 from scalelab.experiments.single_device import phase_shares
 from scalelab.experiments.timing import LOG, probe_verdict, read_log
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 from scalelab.grade.evidence import RUNS, WORKDIR
 from scalelab.grade.untrusted import UntrustedFileError, read_beneath
 
@@ -31,7 +31,7 @@ def _close(a, b, rel):
     return math.isclose(a, b, rel_tol=rel)
 
 
-@check(points=2, needs_run=True)
+@check(points=3, needs_run=True)
 def prediction_is_the_serial_formula(r):
     """predicted_full_sps is exactly 1 / (1/data + 1/compute) of the recorded split."""
     s = r["split"]
@@ -39,22 +39,23 @@ def prediction_is_the_serial_formula(r):
     assert _close(r["predicted_full_sps"], want, 1e-3), "the prediction does not follow from the recorded split"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def full_step_cannot_beat_its_slowest_stage(r):
     """A serial step is no faster than its slower stage (plus a wide margin for a noisy machine)."""
     s = r["split"]
     assert s["full"] <= 1.5 * min(s["data"], s["compute"]), "full step faster than its slowest stage"
 
 
-@check(points=3, needs_run=True)
+@check(points=1, needs_run=True)
 def baseline_is_the_engine_run(r):
     """The baseline's samples/s is what its run's event files show, for one process."""
-    found = evidence(r, r["baseline_run_dir"])
+    steps = param(r, "steps")
+    found = evidence(r, r["baseline_run_dir"], total_steps=steps + 5 if steps is not None else None)
     assert found["world_size"] == 1, f"the baseline ran {found['world_size']} processes, not 1"
     close(found["samples_per_s"], r["baseline_samples_per_s"], what="baseline samples/s")
 
 
-@check(points=2, needs_run=True)
+@check(points=3, needs_run=True)
 def chosen_workers_is_the_smallest(r):
     """chosen_workers is the smallest count within 90 % of the best."""
     rows = {row["workers"]: row["samples_per_s"] for row in r["loader_sweep"]}
@@ -80,7 +81,7 @@ def ladder_is_consistent(r):
         assert _close(row["gain"], row["samples_per_s"] / prev["samples_per_s"], 1e-6), f"rung {row['name']}: gain"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def precision_speedups_are_consistent(r):
     """Each precision's speedup is its samples/s over fp32's."""
     rows = r["precision"]
@@ -129,7 +130,7 @@ def _events(r, run_dir: str) -> list:
         raise AssertionError(f"the event file of {run_dir} could not be read ({type(e).__name__}: {e})") from None
 
 
-@check(points=3, needs_run=True)
+@check(points=6, needs_run=True)
 def timer_probe_is_its_log(r):
     """Exercise 1: the probe's own log, re-read, gives the recorded reading and an honest verdict, and the timer that
     ran is the submitted my_timer.py."""
@@ -146,7 +147,7 @@ def timer_probe_is_its_log(r):
     assert again["honest"], "the timer's reading is not the work of the timed steps"
 
 
-@check(points=3, needs_run=True)
+@check(points=6, needs_run=True)
 def own_step_runs_are_their_events(r):
     """Exercise 4: both step runs are real runs whose losses were recorded; the one at 16 bits ran the submitted
     my_step.py, kept mostly 16-bit activations for backward, fp32 weights, called the GradScaler once per step

@@ -11,7 +11,7 @@ import json
 import math
 
 from scalelab.experiments.profiling import merge, overlap_seconds, read_run_file, trace_intervals, trace_summary
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 from scalelab.grade.evidence import RUNS, WORKDIR
 
 
@@ -33,7 +33,7 @@ def busbw_recomputed(r):
         assert row["bytes"] == raw["bytes"] and math.isclose(row["busbw_GBps"], want, rel_tol=1e-6)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def large_messages_reach_higher_bandwidth(r):
     """The largest message moves more bytes per second than the smallest (latency is amortised)."""
     rows = r["allreduce"]["rows"]
@@ -57,19 +57,19 @@ def ring_bytes_recomputed(r):
     assert math.isclose(r["ring_bytes_per_rank"], want, rel_tol=1e-9)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def gradient_bytes_match_the_model(r):
     """DDP reduces 4 bytes (fp32) per parameter per step."""
     b = r["buckets"]
     assert all(row["bytes_per_step"] == 4 * b["parameters"] for row in b["rows"])
 
 
-@check(points=3, needs_run=True)
+@check(points=0.5, needs_run=True)
 def panel_runs_are_the_engine_runs(r):
     """Each LaunchPanel run's world size, samples/s (global and per rank), final loss and loss curve are what its
     event files show."""
     for x in r["panel_runs"]:
-        found = evidence(r, x["run_dir"])
+        found = evidence(r, x["run_dir"], total_steps="panel_steps")
         assert found["world_size"] == x["workers"], f"{x['workers']} workers recorded, {found['world_size']} ran"
         close(found["samples_per_s"], x["samples_per_s"], what=f"{x['workers']}-worker samples/s")
         assert len(found["per_rank_samples_per_s"]) == len(x["per_rank"]), "one samples/s per rank"
@@ -87,14 +87,14 @@ def efficiency_recomputed(r):
     close(rate_n / (many["workers"] * rate_1), r["efficiency"], what="efficiency")
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def global_throughput_is_the_sum_of_ranks(r):
     """Each run's samples/s is the sum of its ranks' samples/s."""
     for x in r["panel_runs"]:
         assert math.isclose(x["samples_per_s"], sum(x["per_rank"]), rel_tol=1e-6)
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def ddp_timeline_is_the_engine_run(r):
     """The timeline's run is a DDP engine run (its events), and every rank's all-reduces, comm ms and overlap are
     what its trace shows."""
@@ -109,7 +109,7 @@ def ddp_timeline_is_the_engine_run(r):
         close(s["overlap"], x["overlap"], what=f"rank {rank} overlap")
 
 
-@check(points=3, needs_run=True)
+@check(points=4, needs_run=True)
 def bucket_overlap_is_the_traces(r):
     """Exercise 4 re-derived from the sweep's traces: all-reduces (= buckets x traced steps), comm and hidden ms."""
     assert r[RUNS] is not None  # the traces count once the notebook's engine runs do
@@ -150,7 +150,7 @@ def _yours(found: dict, hook: str, module: str) -> None:
     assert module in found["code"], f"the run did not import your {module} (its code/ folder holds {sorted(found['code'])})"
 
 
-@check(points=3, needs_run=True)
+@check(points=8, needs_run=True)
 def cast_hook_halves_the_bytes(r):
     """Exercise 6, from the runs' events: your fp16 hook ran in every rank, each rank sent at most 55 % of the fp32
     all-reduce's bytes per step, and the loss stayed within 0.1 of the all-reduce's."""
@@ -162,7 +162,7 @@ def cast_hook_halves_the_bytes(r):
         f"loss {cast['tail']:.3f} against the all-reduce's {plain['tail']:.3f}: a cast should not change training"
 
 
-@check(points=2, needs_run=True)
+@check(points=6, needs_run=True)
 def topk_sends_under_two_percent(r):
     """Exercise 7, from the run's events: your top-k hook (ratio 1 %) ran in every rank, and each rank sent at most
     2 % of the all-reduce's bytes per step at 2 ranks (N/2 x 2 % at N ranks: an all-gather grows with N)."""
@@ -174,7 +174,7 @@ def topk_sends_under_two_percent(r):
                            f"{100 * limit:.0f} % at {topk['world_size']} ranks: fp16 values and int32 positions)"
 
 
-@check(points=3, needs_run=True)
+@check(points=8, needs_run=True)
 def error_feedback_keeps_the_loss(r):
     """Exercise 7, from the runs' events: with error feedback the top-k run's loss (mean of its last steps) is within
     0.35 of the all-reduce's; without it, at least 0.25 worse than with it."""
@@ -188,7 +188,7 @@ def error_feedback_keeps_the_loss(r):
         "differ (does your hook read state.error_feedback?)"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def compression_rows_are_the_runs(r):
     """The bytes and losses the notebook shows for the compression runs are their event files'."""
     from scalelab.experiments.compression import tail_loss

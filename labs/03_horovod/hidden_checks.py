@@ -16,18 +16,18 @@ from collections import defaultdict
 
 from scalelab.experiments.horovod_port import fusion_summary, horovod_timeline_text
 from scalelab.experiments.profiling import read_run_file
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 from scalelab.grade.evidence import RUNS, WORKDIR
 
 CONTROLLERS = {"horovodrun": "gloo", "mpirun": "mpi"}
 
 
-@check(points=3, needs_run=True)
+@check(points=0.5, needs_run=True)
 def engine_runs_are_the_engine_runs(r):
     """Each engine run's strategy, world size, samples/s (global and per rank), final loss and loss curve are what
     its event files show."""
     for x in r["engine_runs"]:
-        found = evidence(r, x["run_dir"])
+        found = evidence(r, x["run_dir"], total_steps="steps", world_size="workers")
         what = f"{x['strategy']} run"
         assert found["strategy"] == x["strategy"], f"{what}: the events are of a {found['strategy']} run"
         assert found["world_size"] == len(x["per_rank_samples_per_s"]) >= 2, f"{what}: {found['world_size']} ranks"
@@ -38,7 +38,7 @@ def engine_runs_are_the_engine_runs(r):
         assert found["loss_curve"] == x["loss_curve"], f"{what}: the loss curve is not the run's"
 
 
-@check(points=2, needs_run=True)
+@check(points=3, needs_run=True)
 def comparison_recomputed(r):
     """The comparison follows from the recorded engine runs."""
     ddp, hvd = r["engine_runs"]
@@ -49,14 +49,14 @@ def comparison_recomputed(r):
     close(rate["horovod"] / rate["ddp"], c["hvd_over_ddp"], what="hvd_over_ddp")
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def throughput_is_the_sum_of_ranks(r):
     """Each run's samples/s is the sum of its ranks'."""
     for x in r["engine_runs"]:
         assert math.isclose(x["samples_per_s"], sum(x["per_rank_samples_per_s"]), rel_tol=1e-6)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def ranks_trained_on_their_own_shards(r):
     """In the port, ranks saw different data (different losses), the same under both controllers."""
     assert {"horovodrun", "mpirun"} <= set(r["port"]), f"the port ran under {sorted(r['port'])} only"
@@ -65,14 +65,14 @@ def ranks_trained_on_their_own_shards(r):
     assert [x["losses"] for x in gloo] == [x["losses"] for x in mpi], "same port, same data: same losses"
 
 
-@check(points=1, needs_run=True)
+@check(points=2, needs_run=True)
 def timeline_names_the_model_tensors(r):
     """The timeline's tensors are the model's gradients (allreduce.<parameter name>)."""
     names = r["timeline"]["tensors"]
     assert any(n.startswith("allreduce.") and n.endswith(".weight") for n in names), names[:5]
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def horovod_fusion_is_the_timeline(r):
     """The fusion counts are what the Horovod engine run's own timeline shows."""
     f = r["hvd_fusion"]
@@ -114,7 +114,7 @@ def _port_files(r) -> dict:
     return found
 
 
-@check(points=2, needs_run=True)
+@check(points=6, needs_run=True)
 def port_state_is_rank_zeros_on_every_rank(r):
     """Exercise 1, from the ranks' own files: the ranks started with different optimizer state, and after the port
     every rank holds rank 0's optimizer state and parameters bit for bit, equal to the one-process reference."""
@@ -128,7 +128,7 @@ def port_state_is_rank_zeros_on_every_rank(r):
         assert max(row["reference_max_diff"] for row in rows) < 1e-5, f"{launcher}: not the reference's training"
 
 
-@check(points=2, needs_run=True)
+@check(points=6, needs_run=True)
 def averaged_metric_is_the_ranks_mean(r):
     """Exercise 2, from the ranks' own files: each step's averaged loss is the same on every rank and is the mean of
     the ranks' own losses."""
@@ -166,7 +166,7 @@ def sweep_reading(timeline: dict) -> dict:
             "step_ms": 1e3 * statistics.median(gaps) if gaps else 0.0}
 
 
-@check(points=2, needs_run=True)
+@check(points=6, needs_run=True)
 def fusion_sweep_is_the_timelines(r):
     """Exercise 4: the readings and the choice are what the sweep's own timelines show, and each timeline shows its
     setting at work (no two tensors fused at threshold 0; coordinator cycles no shorter than the cycle time)."""

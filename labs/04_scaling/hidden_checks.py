@@ -10,17 +10,22 @@ held against each other only. Every check needs a real run (`needs_run`).
 """
 import math
 
-from scalelab.grade.checks import check, close, evidence, partial
+from scalelab.grade.checks import check, close, evidence, param, partial
 
 
-@check(points=3, needs_run=True)
+@check(points=0.25, needs_run=True)
 def sweeps_are_the_engine_runs(r):
     """Every sweep row's world size and samples/s (global and per rank) are what its run's event files show."""
     for name in ("weak", "strong"):
         rows, dirs = r[f"{name}_rows"], r[f"{name}_run_dirs"]
         assert len(rows) == len(dirs), f"{name}: {len(rows)} rows but {len(dirs)} run dirs"
+        if param(r, "workers") is not None:
+            ran = sorted(x["workers"] for x in rows)
+            assert ran == sorted(param(r, "workers")), \
+                f"{name} sweep: ran {ran} workers, the grader set workers={param(r, 'workers')}: parameters were " \
+                "changed after injection"
         for x, run_dir in zip(rows, dirs):
-            found = evidence(r, run_dir)
+            found = evidence(r, run_dir, total_steps="sweep_steps")
             what = f"{name} sweep, {x['workers']} workers"
             assert found["world_size"] == x["workers"], f"{what}: {found['world_size']} ranks ran"
             close(found["samples_per_s"], x["samples_per_s"], what=f"{what} samples/s")
@@ -28,7 +33,7 @@ def sweeps_are_the_engine_runs(r):
                 close(a, b, what=f"{what} per-rank samples/s")
 
 
-@check(points=2, needs_run=True)
+@check(points=5, needs_run=True)
 def karp_flatt_recomputed(r):
     """karp_flatt follows from the last strong-scaling row."""
     last = r["strong_rows"][-1]
@@ -36,7 +41,7 @@ def karp_flatt_recomputed(r):
     assert math.isclose(r["karp_flatt"], (1 / s - 1 / n) / (1 - 1 / n), rel_tol=1e-6, abs_tol=1e-9)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def sweep_rows_are_consistent(r):
     """Speedup, efficiency and step time of every row follow from its samples/s."""
     for name in ("weak_rows", "strong_rows"):
@@ -48,7 +53,7 @@ def sweep_rows_are_consistent(r):
             assert math.isclose(x["samples_per_s"], sum(x["per_rank_samples_per_s"]), rel_tol=1e-6), name
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def shared_run_is_one_measurement(r):
     """A point that both sweeps contain (same workers and per-rank batch) has the same throughput in both."""
     weak = {(x["workers"], x["batch_per_worker"]): x["samples_per_s"] for x in r["weak_rows"]}
@@ -59,14 +64,14 @@ def shared_run_is_one_measurement(r):
                    if (x["workers"], x["batch_per_worker"]) == key), key
 
 
-@check(points=1, needs_run=True)
+@check(points=3, needs_run=True)
 def steps_follow_the_sample_budget(r):
     """Every run of the study saw the same samples: steps x batch is constant (up to one batch)."""
     seen = [x["steps"] * x["batch"] for x in r["lr_study"]]
     assert max(seen) - min(seen) < max(x["batch"] for x in r["lr_study"])
 
 
-@check(points=2, needs_run=True)
+@check(points=5, needs_run=True)
 def noise_scale_recomputed(r):
     """b_noise follows from the recorded gradient norms."""
     n = r["noise_norms"]
@@ -76,7 +81,7 @@ def noise_scale_recomputed(r):
     assert math.isclose(r["b_noise"], trace / g2, rel_tol=1e-6)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def small_batch_gradients_are_noisier(r):
     """|g_B|^2 is larger for the smaller batch (the noise term tr(Sigma)/B)."""
     n = r["noise_norms"]
@@ -103,7 +108,7 @@ def _schedule_evidence(r):
     return yours, constant, peak, warm
 
 
-@check(points=4, needs_run=True)
+@check(points=12, needs_run=True)
 def schedule_is_yours_and_right(r):
     """Exercise 3: your run imported my_schedule.py, and the rate each of its steps used is the warm-up-then-cosine
     schedule recomputed from the run's steps, peak and warm-up (half the points for each part)."""
@@ -130,7 +135,7 @@ def schedule_is_yours_and_right(r):
     return partial(0.5, message)
 
 
-@check(points=1, needs_run=True)
+@check(points=2, needs_run=True)
 def decay_ends_below_constant(r):
     """The recorded tail losses are the runs' (last tenth of rank 0's loss curve), and the decayed run ends lower."""
     rows = {x["label"]: x for x in r["schedule_runs"]}
@@ -143,7 +148,7 @@ def decay_ends_below_constant(r):
     assert tails["yours"] < tails["constant"], f"decayed {tails['yours']:.3f}, constant {tails['constant']:.3f}"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def critical_batch_fit_recomputed(r):
     """Each batch's best is its fewest steps among the rates tried, and the fit follows from those points."""
     study, fit = r["target_study"], r["critical_batch"]
@@ -158,14 +163,14 @@ def critical_batch_fit_recomputed(r):
     assert math.isclose(fit["b_crit"], e_min / s_min, rel_tol=1e-6)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def small_batches_need_more_steps(r):
     """Steps to the target fall with the batch below the critical batch: the smallest batch needs far more."""
     best = sorted(r["target_study"]["best"], key=lambda p: p["batch"])
     assert best[0]["steps"] > 1.5 * min(p["steps"] for p in best), [(p["batch"], p["steps"]) for p in best]
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def growth_matches_decay_in_fewer_steps(r):
     """Each run's steps follow from its phases; batch growth ends near step decay in far fewer steps."""
     rows = {x["label"]: x for x in r["growth_vs_decay"]}

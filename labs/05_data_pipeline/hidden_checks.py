@@ -9,7 +9,7 @@ import math
 
 from scalelab.experiments.spread import spread_verdict
 from scalelab.experiments.storage import run_log, sample_bytes, sampler_verdict, scaling_row, shares
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 from scalelab.grade.evidence import RUNS, WORKDIR
 from scalelab.paths import read_beneath
 
@@ -35,7 +35,7 @@ def _sha(r, name):
         raise AssertionError(f"{name} could not be read from the submission ({e})") from None
 
 
-@check(points=3, needs_run=True)
+@check(points=0.5, needs_run=True)
 def per_reader_bandwidth_falls_as_one_over_n(r):
     """From the scaling server's log: with N readers each gets 0.5 to 1.15 x budget / N (mean per reader), and the
     recorded rows are the log's."""
@@ -57,7 +57,7 @@ def _index(r, path):
         raise AssertionError(f"the shard index {path} could not be read ({type(e).__name__}: {e})") from None
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def shards_cut_the_opens(r):
     """Exercise 1, from the two epochs' server logs: the file-per-sample epoch opened one file per sample, the
     shards' epoch at most one per shard file (and at most a fifth of that); both moved every sample's bytes once; every
@@ -91,7 +91,7 @@ def _parent(root, name):
     return f"{root.rstrip('/')}/{name}"
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def sampler_is_disjoint_complete_and_reshuffled(r):
     """Exercise 2, from the sampler server's log: every reader ran the submitted my_sampler.py, and in every epoch
     the ranks read disjoint samples that together are all of them, their counts within one, each read where the
@@ -119,7 +119,7 @@ def _row(r, policy):
     return rows[policy]
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def policy_holds_job_fair_shares(r):
     """Exercise 3, from the server that ran my_policy.pick: it ran the submitted my_policy.py without an error, and
     while all three jobs read, each got within 10 % of a third of the bytes."""
@@ -137,7 +137,7 @@ def policy_holds_job_fair_shares(r):
         f"shares {', '.join(f'{j} {s:.2f}' for j, s in got.items())}: not each within 10 % of {third:.2f}"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def fifo_is_not_fair(r):
     """From the FIFO server's log: some job's share is more than 10 % away from a third (the jobs ask unevenly)."""
     got = shares(_log(r, _row(r, "fifo")["log"]))
@@ -145,7 +145,7 @@ def fifo_is_not_fair(r):
     assert max(abs(s / third - 1) for s in got.values()) > FAIR, f"FIFO gave {got}: the jobs did not contend"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def recorded_shares_are_the_logs(r):
     """Every policy's recorded shares are what its server's log shows."""
     for row in r["fair_share"]["rows"]:
@@ -167,12 +167,12 @@ def _run_requests(r, row):
     return [e for e in entries if e["job"] == job], [e for e in entries if e["job"] != job]
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def engine_runs_read_through_the_server(r):
     """Each training run is a real run (its event files) whose every rank read its samples from the server (the
     server's log names them under the run's folder name); the recorded numbers are the run's and the log's."""
     for row in _engine_rows(r):
-        found = evidence(r, row["run_dir"])
+        found = evidence(r, row["run_dir"], total_steps="engine_steps")
         close(found["samples_per_s"], row["samples_per_s"], what=f"{row['name']} samples/s")
         close(found["final_loss"], row["final_loss"], what=f"{row['name']} final loss")
         mine, _ = _run_requests(r, row)
@@ -181,7 +181,7 @@ def engine_runs_read_through_the_server(r):
         assert sum(e["bytes"] for e in mine) == row["bytes"] > 0, f"{row['name']}: bytes are not the log's"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def contention_slows_the_training_run(r):
     """From the two servers' logs: beside the bulk copy, which read from the same server meanwhile, the run's
     requests waited at least twice as long on average as alone."""
@@ -204,7 +204,7 @@ def _verdict(r, run_dir):
         raise AssertionError(f"the spread run {run_dir} could not be read ({type(e).__name__}: {e})") from None
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def read_path_uses_the_nodes_not_the_shared_fs(r):
     """Exercise 4, from the spread run's own event files: every rank ran my_reader.py (its SHA-256), no epoch read
     the shared file system, local reads only of the node's own samples, remote reads only from the owner, each
@@ -220,7 +220,7 @@ def read_path_uses_the_nodes_not_the_shared_fs(r):
                            f"unserved {v['unserved']}, epochs not read once {v['not_once']}"
 
 
-@check(points=2, needs_run=True)
+@check(points=4, needs_run=True)
 def node_cache_cuts_shared_reads_by_n_minus_1_over_n(r):
     """From the node-cache run's event files: it ran my_reader.py; epoch 1 read the shared file system, and after it
     the shared reads are at most 1/N of the samples read (a cut of at least (N-1)/N)."""

@@ -13,7 +13,7 @@ import re
 
 from scalelab.ckpt.retention import select
 from scalelab.experiments.kill_resume import reader_beneath, verdict
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 from scalelab.grade.evidence import RUNS, WORKDIR
 from scalelab.paths import read_beneath
 
@@ -37,7 +37,7 @@ def _kill_verdict(r) -> dict:
     return v
 
 
-@check(points=3, needs_run=True)
+@check(points=4, needs_run=True)
 def kill_leaves_no_partial_checkpoint(r):
     """Exercise 2, from the files: the crash run's log shows its save of step 12 begun and the process killed by
     SIGXFSZ inside it; in the folder as the kill left it, every file under a checkpoint's name is listed in the
@@ -47,7 +47,7 @@ def kill_leaves_no_partial_checkpoint(r):
     assert not v["save_problems"], "; ".join(v["save_problems"])
 
 
-@check(points=3, needs_run=True)
+@check(points=4, needs_run=True)
 def restore_loads_only_intact_checkpoints(r):
     """Exercise 3, from the files: in the planted folder (newest listed checkpoint corrupted, an unlisted half-written
     one beside it) the restore loaded only bytes of the newest intact checkpoint, step 4, its state digest (weights,
@@ -56,7 +56,7 @@ def restore_loads_only_intact_checkpoints(r):
     assert not v["restore_problems"], "; ".join(v["restore_problems"])
 
 
-@check(points=3, needs_run=True)
+@check(points=4, needs_run=True)
 def resumed_after_the_kill_equals_the_whole_run(r):
     """Exercises 2 and 3, from the files: a fresh process restored what the kill left at step 8 (the newest finished
     save), and from there computed the uninterrupted run's losses and final state bit for bit."""
@@ -64,43 +64,44 @@ def resumed_after_the_kill_equals_the_whole_run(r):
     assert not v["resume_problems"], "; ".join(v["resume_problems"])
 
 
-@check(points=3, needs_run=True)
+@check(points=0.5, needs_run=True)
 def modes_are_the_engine_runs(r):
     """Each mode's checkpoints and blocked time are what its run's event files show, for the recorded workers."""
     dirs, workers = r["mode_run_dirs"], r["lab06_params"]["workers"]
     assert set(dirs) == set(r["modes"]), f"run dirs recorded for {sorted(dirs)}, modes for {sorted(r['modes'])}"
     for mode, s in r["modes"].items():
-        found = evidence(r, dirs[mode])
+        found = evidence(r, dirs[mode], total_steps="steps")
         assert found["world_size"] == workers, f"{mode}: {found['world_size']} ranks ran, {workers} recorded"
         assert found["checkpoints"] == s["checkpoints"], f"{mode}: {s['checkpoints']} checkpoints recorded, " \
                                                          f"{found['checkpoints']} in the events"
         close(found["blocked_s"], s["blocked_s"], rel=1e-4, what=f"{mode} blocked_s")
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def resume_is_the_engine_runs(r):
     """The uninterrupted and the resumed loss curves, and the resume step, are what the runs' events show."""
     res = r["resume"]
-    whole, resumed = evidence(r, res["whole_run_dir"]), evidence(r, res["resumed_run_dir"])
+    whole = evidence(r, res["whole_run_dir"], total_steps="resume_steps")
+    resumed = evidence(r, res["resumed_run_dir"], total_steps="resume_steps")
     assert whole["loss_curve"] == res["whole_losses"], "whole_losses are not the uninterrupted run's"
     assert resumed["loss_curve"] == res["resumed_losses"], "resumed_losses are not the resumed launch's"
     assert resumed["launches"] == 2 and resumed["start_step"] == res["start_step"], \
         f"the resumed run's events show {resumed['launches']} launches, the last from step {resumed['start_step']}"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def engine_history_is_the_run(r):
     """The retention run's checkpoint history is what its events show."""
     found = evidence(r, r["keep_run_dir"])
     assert found["checkpoint_history"] == r["engine_history"], "engine_history is not the run's checkpoints"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def chain_is_the_engine_run(r):
     """The chained run's events show at least two launches, no more than the recorded attempts, and the last one
     reaching the final step."""
     sl, steps = r["slices"], r["lab06_params"]["slice_steps"]
-    found = evidence(r, sl["run_dir"])
+    found = evidence(r, sl["run_dir"], total_steps="slice_steps")
     assert 2 <= found["launches"] <= len(sl["attempts"]), f"{found['launches']} launches in the events, " \
                                                           f"{len(sl['attempts'])} attempts recorded"
     assert found["steps"] == steps, f"the chained run's events end at step {found['steps']}, not {steps}"
@@ -131,7 +132,7 @@ def resume_records_agree(r):
     assert len(res["whole_losses"]) == p["resume_steps"]
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def engine_retention_follows_the_rule(r):
     """The engine kept the newest 2 and the best 1 of its recorded checkpoint history."""
     kept, _ = select(r["engine_history"], keep_last=2, keep_best=1)
@@ -147,7 +148,7 @@ def my_kept_by_hand(r):
     assert r["my_kept"] == sorted(newest | lowest)
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def attempts_resume_where_the_last_stopped(r):
     """Each attempt starts at a checkpoint step no later than where the previous attempt got to."""
     attempts, every = r["slices"]["attempts"], r["lab06_params"]["every"]

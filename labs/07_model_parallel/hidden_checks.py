@@ -9,19 +9,19 @@ resharding) write no event files and are held against each other. Every check ne
 import hashlib
 import math
 
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 from scalelab.grade.evidence import WORKDIR
 from scalelab.grade.untrusted import UntrustedFileError, read_beneath
 
 
-@check(points=3, needs_run=True)
+@check(points=0.5, needs_run=True)
 def fsdp_runs_are_the_engine_runs(r):
     """Each recorded run's loss curve and final loss are its event files', with the recorded ranks and strategy."""
     workers, steps = r["lab07_params"]["workers"], r["lab07_params"]["steps"]
     want = {"ddp": "ddp", "fsdp_full": "fsdp", "fsdp_grad_op": "fsdp"}
     for name, strategy in want.items():
         run = r["fsdp_runs"][name]
-        found = evidence(r, run["run_dir"])
+        found = evidence(r, run["run_dir"], total_steps="steps", world_size="workers")
         assert found["world_size"] == workers, f"{name}: {found['world_size']} ranks ran, {workers} recorded"
         assert found["strategy"] == strategy, f"{name}: the events show strategy {found['strategy']!r}"
         assert found["steps"] == steps and found["loss_curve"] == run["loss_curve"], \
@@ -38,7 +38,7 @@ def sharding_halves_state_and_triples_collective_bytes(r):
     assert math.isclose(a["traffic_ratio"], 3.0, rel_tol=0.01), f"traffic_ratio {a['traffic_ratio']!r}"
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def grad_op_gathers_once(r):
     """grad_op keeps forward's gathered parameters for backward: half full shard's all-gather bytes, the same
     state per rank."""
@@ -65,7 +65,7 @@ def _schedule_run(r, name: str, schedule: str) -> dict:
     student's must have run the submitted my_pipeline.py (its SHA-256 in the start event)."""
     row = r["pipeline_runs"][name]
     assert "error" not in row, f"{name}: {row['error']}"
-    found = evidence(r, row["run_dir"])
+    found = evidence(r, row["run_dir"], total_steps="pipeline_steps", world_size="workers")
     pipe = found.get("pipeline")
     assert pipe, f"{name}: the run wrote no pipeline events"
     assert pipe["schedule"] == schedule, f"{name}: the run's events show pipeline.schedule {pipe['schedule']!r}"
@@ -86,7 +86,7 @@ def _same_losses(a: dict, b: dict) -> bool:
         math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) for x, y in zip(a["loss_curve"], b["loss_curve"]))
 
 
-@check(points=2, needs_run=True)
+@check(points=4, needs_run=True)
 def my_gpipe_runs_in_the_engine(r):
     """Exercise 4b, from the run's events: the engine ran your gpipe_ops on every stage (every forward, then every
     backward, in order), holding the bytes torch's GPipe holds on each stage, to its losses."""
@@ -114,7 +114,7 @@ def my_1f1b_runs_in_the_engine(r):
         f"losses {mine['loss_curve']} against torch's GPipe's {torch_gpipe['loss_curve']}"
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def my_1f1b_holds_fewer_activation_bytes(r):
     """Exercise 4c, from the runs' events: at the same m >= 4, every stage of your 1F1B held at most the activation
     bytes torch's GPipe held there, and stage 0 strictly fewer (GPipe holds all m micro-batches, 1F1B at most p)."""
@@ -159,7 +159,8 @@ def planner_predicts_the_measured_state(r):
 def mesh_run_is_the_engine_run(r):
     """The dp x tp run's loss curve is its event files', on 2 x workers ranks with strategy 3d."""
     m, workers = r["mesh_run"], r["lab07_params"]["workers"]
-    found = evidence(r, m["run_dir"])
+    found = evidence(r, m["run_dir"], total_steps="steps",
+                     world_size=2 * param(r, "workers") if param(r, "workers") else None)
     assert found["world_size"] == 2 * workers, f"{found['world_size']} ranks ran, {2 * workers} expected"
     assert found["strategy"] == "3d", f"the events show strategy {found['strategy']!r}"
     assert found["loss_curve"] == m["loss_curve"], "the loss curve is not the run's"

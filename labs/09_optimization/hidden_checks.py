@@ -6,22 +6,43 @@ The LARS comparison and the races train in the notebook's own process, so they a
 """
 import math
 
-from scalelab.grade.checks import check, close, evidence
+from scalelab.grade.checks import check, close, evidence, param
 
 
-@check(points=2, needs_run=True)
+@check(points=0.25, needs_run=True)
 def engine_runs_are_the_engine_runs(r):
     """The engine K-FAC runs' throughput and world size are what their event files show."""
     for name, run in r["engine_kfac"].items():
-        found = evidence(r, run["run_dir"])
+        found = evidence(r, run["run_dir"], total_steps="engine_steps")
         assert found["world_size"] == r["lab09_params"]["workers"], f"{name}: {found['world_size']} ranks ran"
         close(found["samples_per_s"], run["samples_per_s"], what=f"{name} samples/s")
 
 
-@check(points=1, needs_run=True)
+def _race(r, name: str) -> list:
+    """The rows of race `name` ("race" or "kfac_race"), each run over the grader's samples."""
+    samples = param(r, "samples")
+    for row in r[name]:
+        if samples is not None:
+            assert row["steps"] == samples // row["batch"], \
+                f"{row['label']}: {row['steps']} steps of {row['batch']}, the grader set samples={samples}: " \
+                "parameters were changed after injection"
+    return r[name]
+
+
+def _kaisa(r) -> dict:
+    """KAISA's measurement, at the grader's kaisa_steps and kaisa_width."""
+    k = r["kaisa"]
+    for name in ("steps", "width"):
+        want = param(r, f"kaisa_{name}")
+        assert want is None or k[name] == want, f"KAISA ran at {name} {k[name]}, the grader set kaisa_{name}=" \
+                                                f"{want}: parameters were changed after injection"
+    return k
+
+
+@check(points=0.25, needs_run=True)
 def races_are_consistent(r):
     """Every race row's reached point is on its curve, and steps, samples and batch agree."""
-    for row in r["race"] + r["kfac_race"]:
+    for row in _race(r, "race") + _race(r, "kfac_race"):
         curve, hit = row["curve"], row["reached"]
         assert all(a["samples"] < b["samples"] for a, b in zip(curve, curve[1:])), f"{row['label']}: curve order"
         assert math.isclose(row["final_accuracy"], curve[-1]["accuracy"]), f"{row['label']}: final accuracy"
@@ -35,7 +56,7 @@ def races_are_consistent(r):
         assert hit["seconds"] <= row["seconds_per_step"] * row["steps"] * (1 + 1e-9), f"{row['label']}: seconds"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def race_used_the_parameters(r):
     """The race ran at the lab's target and batches."""
     p = r["lab09_params"]
@@ -44,10 +65,10 @@ def race_used_the_parameters(r):
     assert {row["batch"] for row in r["kfac_race"]} == {p["kfac_batch"]}
 
 
-@check(points=2, needs_run=True)
+@check(points=0.25, needs_run=True)
 def kaisa_bytes_follow_from_the_layers(r):
     """The decomposition bytes each rank reports follow from the layer shapes and the round-robin assignment."""
-    k = r["kaisa"]
+    k = _kaisa(r)
     per_layer = [4 * (a + a * a + g + g * g) for a, g in k["dims"]]
     world = len(k["comm"])
     assert all(x["eigen_bytes"] == sum(per_layer) for x in k["comm"]), "every COMM-OPT rank holds every layer"
@@ -57,9 +78,67 @@ def kaisa_bytes_follow_from_the_layers(r):
     assert all(x["mode"] == "COMM-OPT" for x in k["comm"]) and all(x["mode"] == "MEM-OPT" for x in k["mem"])
 
 
-@check(points=1, needs_run=True)
+@check(points=2, needs_run=True)
 def lars_record_is_its_run(r):
     """The LARS comparison ran its steps: one ratio per step per layer, one loss per step per optimizer."""
     lars = r["lars"]
+    if param(r, "lars_steps") is not None:
+        assert lars["steps"] == param(r, "lars_steps"), \
+            f"the LARS comparison ran {lars['steps']} steps, the grader set lars_steps={param(r, 'lars_steps')}: " \
+            "parameters were changed after injection"
     assert all(len(v) == lars["steps"] for v in lars["ratios"].values())
     assert len(lars["losses"]["mine"]) == len(lars["losses"]["library"]) == lars["steps"]
+
+
+# The exercises, held against what ran: the grader's sizes, the runs' own rows (points for the student's own work;
+# the checks above hold records to runs that an untouched copy makes as well).
+
+@check(points=5, needs_run=True)
+def lars_by_hand_is_the_librarys(r):
+    """Exercise 1: with your trust ratio, LARS by hand follows pytorch-optimizer's LARS step for step over the
+    grader's lars_steps: the same losses, the same parameters, one trust ratio per step per weight matrix."""
+    lars = r["lars"]
+    steps = param(r, "lars_steps") or lars["steps"]
+    assert lars["steps"] == steps, f"the LARS comparison ran {lars['steps']} steps, the grader set lars_steps=" \
+                                   f"{steps}: parameters were changed after injection"
+    mine, library = lars["losses"]["mine"], lars["losses"]["library"]
+    assert len(mine) == len(library) == steps, f"{len(mine)} and {len(library)} losses for {steps} steps"
+    assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(mine, library)), \
+        "your LARS's losses leave the library's"
+    assert lars["max_param_diff"] < 1e-5, f"parameters {lars['max_param_diff']:.2e} apart"
+    assert len(lars["ratios"]) >= 2 and all(len(v) == steps for v in lars["ratios"].values())
+
+
+@check(points=3, needs_run=True)
+def best_large_batch_is_the_races_fastest(r):
+    """Exercise 2: the run named is, among the large-batch runs of the race that reached the target, the one with
+    the fewest seconds to it."""
+    race = _race(r, "race")
+    big = max(row["batch"] for row in race)
+    hits = [row for row in race if row["batch"] == big and row["reached"]]
+    want = min(hits, key=lambda row: row["reached"]["seconds"])["label"] if hits else None
+    assert r["best_large_batch"] == want, f"{r['best_large_batch']!r} named; the race's fastest is {want!r}"
+
+
+@check(points=4, needs_run=True)
+def kfac_trade_is_the_races(r):
+    """Exercise 3: the iteration saving, step cost and wall speedup are the K-FAC race's own ratios, and the wall
+    speedup is the iteration saving over the step cost."""
+    runs = {row["label"]: row for row in _race(r, "kfac_race")}
+    sgd, kfac = runs["sgd"], runs["kfac"]
+    assert sgd["reached"] and kfac["reached"], "both SGD and K-FAC must reach the target"
+    want = {"iteration_saving": sgd["reached"]["steps"] / kfac["reached"]["steps"],
+            "step_cost": kfac["seconds_per_step"] / sgd["seconds_per_step"],
+            "wall_speedup": sgd["reached"]["seconds"] / kfac["reached"]["seconds"]}
+    for key, value in want.items():
+        assert math.isclose(r[key], value, rel_tol=1e-6), f"{key} {r[key]!r} is not the race's {value:.4g}"
+
+
+@check(points=3, needs_run=True)
+def comm_opt_bytes_is_what_a_rank_holds(r):
+    """Exercise 4: the prediction is 4 bytes x (a + a^2 + g + g^2) summed over the layers of the grader's width, and
+    it is what every COMM-OPT rank of the measurement held."""
+    k = _kaisa(r)
+    want = sum(4 * (a + a * a + g + g * g) for a, g in k["dims"])
+    assert r["comm_opt_bytes"] == want, f"comm_opt_bytes {r['comm_opt_bytes']}, the layers give {want}"
+    assert all(x["eigen_bytes"] == want for x in k["comm"]), "a COMM-OPT rank held other bytes"

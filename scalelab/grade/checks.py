@@ -205,9 +205,25 @@ def run_checks(checks: list[Check], records: Mapping[str, Any]) -> list[CheckRes
     return [run_check(c, records) for c in checks]
 
 
-def evidence(r: Mapping, run_dir: str) -> dict:
+def param(r: Mapping, name: str) -> Any:
+    """The value the grader injected for parameter `name` (lab.yaml's grading parameters, or --set), None where the
+    grader set no such parameter or the checks run outside the grader (SelfCheck, a test on records). Hidden checks
+    size the runs they judge by it, never by what the notebook recorded: a cell may re-assign a parameter after
+    injection, and the notebook's own record of it then says what ran, not what the grader asked for."""
+    from .evidence import PARAMS
+    given = r.get(PARAMS)
+    return given.get(name) if isinstance(given, Mapping) else None
+
+
+def evidence(r: Mapping, run_dir: str, **sizes) -> dict:
     """The grader's summary of the run in `run_dir` (from its event files); fails the check if there is none or
-    if its events are not plausible."""
+    if its events are not plausible.
+
+    `sizes` hold the run to the grader's parameters: `field=value` for a field of the summary (`total_steps`,
+    `steps`, `world_size`, `global_batch`, ...). A str value names a grader's parameter (`steps="panel_steps"`:
+    the run's steps must be the grader's panel_steps); any other value is the expected value itself, worked out
+    from `param(r, ...)` (None: not known outside the grader, not compared). A run of other sizes fails the check,
+    and the message says the parameters were changed: its numbers count for nothing."""
     from .evidence import RUNS, WORKDIR, relative_run_dir
     runs = r[RUNS]  # absent outside the grader and SelfCheck: the check ends as `missing`
     key = relative_run_dir(str(run_dir), r.get(WORKDIR))
@@ -218,6 +234,17 @@ def evidence(r: Mapping, run_dir: str) -> dict:
     if found.get("implausible"):
         raise AssertionError(f"the event files of the run {run_dir!r} cannot come from a real run "
                              f"({'; '.join(found['implausible'][:2])}): its numbers count for nothing")
+    for field_name, want in sizes.items():
+        said = f"the grader set {want}={param(r, want)!r}" if isinstance(want, str) else \
+            f"the grader's parameters make it {want!r}"
+        if isinstance(want, str):
+            want = param(r, want)
+        if want is None:
+            continue
+        got = found.get(field_name)
+        if got != want:
+            raise AssertionError(f"the run {key!r} used {field_name}={got!r}, {said}: parameters were changed "
+                                 "after injection, so this run's numbers count for nothing")
     return found
 
 
@@ -252,5 +279,5 @@ def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
     return checks
 
 
-__all__ = ["check", "partial", "Partial", "evidence", "made_runs", "close", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
+__all__ = ["check", "partial", "Partial", "param", "evidence", "made_runs", "close", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
            "load_checks", "run_check", "run_checks", "lab_checks"]

@@ -6,11 +6,15 @@ training anything. What the engine writes while it runs — per-rank event files
 
     grader.runs      {run dir relative to the working copy: summary re-derived from its events}
     grader.workdir   the working copy's absolute path (to relate absolute run dirs a notebook recorded)
+    grader.parameters  the parameters the grader injected (`apply_parameters`, which also puts them in force in the
+                     notebook's record of its parameters, `labNN_params`, and keeps what that said in
+                     grader.changed_parameters where it differed)
 
 A summary describes the run's *last launch* (what `Run.wait()` reported to the notebook; a resume appends a
 second launch to the same files): world_size, steps, start_step, launches, final_loss, samples_per_s,
 per_rank_samples_per_s, eval_accuracy, time_fraction, loss_curve, strategy, checkpoints, blocked_s,
-checkpoint_history, t_start, t_end, lr_curve and step_numbers (rank 0's step events), wire_bytes_per_step (the median
+checkpoint_history, t_start, t_end, total_steps and global_batch (rank 0's start event: the sizes the run was
+given, to hold against the grader's parameters), lr_curve and step_numbers (rank 0's step events), wire_bytes_per_step (the median
 of rank 0's step events: what a DDP rank sent per step, ring model), comm_hook, schedule, code (the start event's
 {file: sha256} of code of the student's own the run imported), hosts (where the ranks started) and pipeline (a
 pipelined run's schedule, activation bytes and bubble per stage from its `pipeline` events, else None) — and `implausible`, the reasons the events cannot come from a real run
@@ -46,6 +50,13 @@ from .untrusted import UntrustedFileError, read_beneath
 PREFIX = "grader."
 RUNS = PREFIX + "runs"
 WORKDIR = PREFIX + "workdir"
+PARAMS = PREFIX + "parameters"
+"""The parameters the grader injected (lab.yaml's grading parameters and --set): hidden checks compare the runs'
+sizes with these, never with what the notebook recorded (`checks.param`, `checks.evidence(..., steps="steps")`)."""
+CHANGED = PREFIX + "changed_parameters"
+"""{parameter: the value the notebook recorded} where a record of the lab's parameters (`labNN_params`) disagreed
+with the grader's value: a cell changed the parameter after the grader injected it."""
+PARAMS_RECORD = re.compile(r"lab\d{2}_params")
 MAX_RUNS = 64
 MAX_EVENT_BYTES = 32 * 2**20
 MAX_DEPTH = 8
@@ -62,6 +73,48 @@ def strip_grader_records(records: dict[str, Any]) -> tuple[dict[str, Any], list[
     """`records` without names in the grader's namespace; returns (kept, dropped names)."""
     dropped = sorted(n for n in records if n.startswith(PREFIX))
     return {k: v for k, v in records.items() if not k.startswith(PREFIX)}, dropped
+
+
+def apply_parameters(records: dict[str, Any], parameters: dict[str, Any]) -> list[str]:
+    """Make the grader's parameters the ones the checks read (`records` changed in place); notes for the student.
+
+    Adds PARAMS (the grader's values). Every record of the lab's parameters (`lab01_params` ...: the values the
+    notebook says it ran with) takes the grader's value for each parameter the grader set, so checks that hold a
+    run against it hold it against the grader's sizes; where the notebook's value differed (a cell re-assigned the
+    parameter after injection), CHANGED keeps what it recorded, and the note says which."""
+    records[PARAMS] = dict(parameters)
+    changed: dict[str, Any] = {}
+    for name in sorted(n for n in records if PARAMS_RECORD.fullmatch(n)):
+        value = records[name]
+        if not isinstance(value, dict):
+            continue
+        value = dict(value)
+        for key in sorted(set(value) & set(parameters)):
+            if not _same_value(value[key], parameters[key]):
+                changed.setdefault(key, value[key])
+            value[key] = parameters[key]
+        records[name] = value
+    if changed:
+        records[CHANGED] = changed
+        said = ", ".join(f"{k}={_short(v)} (the grader set {_short(parameters[k])})" for k, v in changed.items())
+        return [f"the notebook ran with {said}: parameters were changed after the grader injected them; checks "
+                "hold the runs against the grader's values, and runs of other sizes lose their points"]
+    return []
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def run_evidence(workdir: str | Path, started: float | None = None, now: float | None = None) -> dict[str, Any]:
@@ -175,6 +228,7 @@ def _summary(files: dict[int, list], started: float | None, now: float) -> dict[
                hosts=sorted({str(e.get("host")) for r in sorted(launches) for e in
                              (launches[r][-1][:1] if launches[r] else []) if e.get("type") == "start"}))
     out.update(launches=len(launches.get(0, [])), start_step=start.get("start_step"), strategy=start.get("strategy"),
+               total_steps=start.get("total_steps"), global_batch=start.get("global_batch"),
                t_start=main[0].get("t") if main else None, t_end=main[-1].get("t") if main else None,
                **_checkpoints(main), implausible=reasons)
     out["pipeline"] = _pipeline(launches)
@@ -340,4 +394,4 @@ def relative_run_dir(run_dir: str, workdir: str | None) -> str:
     return Path(os.path.normpath(text)).as_posix()
 
 
-__all__ = ["PREFIX", "RUNS", "WORKDIR", "strip_grader_records", "run_evidence", "implausible", "relative_run_dir"]
+__all__ = ["PREFIX", "RUNS", "WORKDIR", "PARAMS", "CHANGED", "apply_parameters", "strip_grader_records", "run_evidence", "implausible", "relative_run_dir"]

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .report import file_key
-from .evidence import RUNS, run_evidence, strip_grader_records
+from .evidence import RUNS, apply_parameters, run_evidence, strip_grader_records
 from .job import (JOB_NAME_CHARS, cap_job_folder, copy_submission, finish_batch, guard_parameters, hidden_paths,
                   job_base, reap_crashed_batches, release_job_folder, run_job, runs_need, working_copy)
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
@@ -273,7 +273,7 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
                                   continue_on_error=opts.continue_on_error)
         finally:
             cleanup(plan)
-        _collect(ctx, job, sub, outcome, result, shipped, started)
+        _collect(ctx, job, sub, outcome, result, shipped, started, parameters)
     finally:
         if capped:
             release_job_folder(job, keep=opts.keep_workdirs)
@@ -283,8 +283,9 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
 
 
 def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: SubmissionResult,
-             shipped: set[str], started: float | None = None) -> None:
-    """Read the run's notebook and evidence (untrusted), run the checks, fill `result`."""
+             shipped: set[str], started: float | None = None, parameters: dict | None = None) -> None:
+    """Read the run's notebook and evidence (untrusted), run the checks, fill `result`. The checks read the
+    grader's `parameters` (`evidence.apply_parameters`), never the notebook's own record of them."""
     status = outcome.get("status")
     result.status = status if status in STATUSES else "grader_error"
     result.execution = _execution_fields(outcome)
@@ -315,6 +316,9 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
             result.notes.append(f"the run's event files could not be read ({type(e).__name__}: "
                                 f"{cap_text(str(e), 200)}): checks that compare with them find no run")
         records.update(found)
+    if parameters is None:
+        parameters = {**ctx.lab.grading.parameters, **(ctx.options.parameters or {})}
+    result.notes += apply_parameters(records, parameters)
     result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
     result.checks = run_checks(ctx.checks, records)
     from . import report
