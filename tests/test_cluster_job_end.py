@@ -53,14 +53,17 @@ def test_the_epilog_ends_nothing_of_root_or_of_an_account_outside_the_course():
 
 # -- on the real cluster --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def accounts():
-    """A course account (group COURSE_GROUP) and an account outside the course, both throwaway."""
+def accounts(slurm_cluster):
+    """A course account (group COURSE_GROUP) and an account outside the course, both throwaway, each with its
+    association in the cluster's accounting (a course account's with the student QOS)."""
     tag = secrets.token_hex(3)
     student, person = f"sl-epi-s{tag}", f"sl-epi-p{tag}"
     subprocess.run(["groupadd", "-f", "-r", COURSE_GROUP], check=True)
     subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", "--groups", COURSE_GROUP, student], check=True)
     subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", person], check=True)
     try:
+        for name in (student, person):
+            slurm_cluster.register_user(name)
         yield student, person
     finally:
         for name in (student, person):
@@ -69,6 +72,7 @@ def accounts():
                 if p.info["uids"] and p.info["uids"].real == uid:
                     p.kill()
             subprocess.run(["userdel", name], check=False)
+            slurm_cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
 
 
 def _submit(cluster, user: str, script: str, folder: Path, *extra: str) -> str:

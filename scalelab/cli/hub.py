@@ -73,6 +73,27 @@ def slurm_overrides(cfg: dict) -> tuple[dict, object | None]:
     return over, cluster
 
 
+def apply_student_qos(cfg: dict) -> tuple[int, int] | None:
+    """On a local cluster with accounting: its student QOS's MaxTRESPerUser := the hub's per-student cap (the one
+    number, `options.student_limits`), so a course account's own sbatch from a terminal is held to it as its
+    servers are. A centre's Slurm (or one without accounting): nothing; its QOS is its administrators' to set."""
+    from ..cluster.accounting import accounting_conf
+    from ..cluster.local import LocalCluster
+    from ..errors import ClusterError
+    from ..hub.options import profiles_from_settings, student_limits
+    conf = cfg["slurm"]["conf"]
+    if not conf or accounting_conf(conf) is None:
+        return None
+    per = cfg["slurm"]["per_student"]
+    limits = student_limits(profiles_from_settings(cfg["slurm"]), int(per["cpus"]), int(per["gpus"]))
+    try:
+        LocalCluster(Path(conf).parent, accounting=True).set_student_limits(*limits)
+    except ClusterError as e:
+        print(f"scalelab hub: warning: the local cluster's student QOS was not set ({e})", file=sys.stderr)
+        return None
+    return limits
+
+
 def _preflight(cfg: dict) -> None:
     from ..hub.config import find_proxy, python_bin
 
@@ -147,6 +168,7 @@ def run_hub(args) -> int:
         if cluster is not None and cfg["slurm"]["reservation"]:
             import pwd
             cluster.ensure_reservation(cfg["slurm"]["reservation"], users=[pwd.getpwuid(os.geteuid()).pw_name])
+        apply_student_qos(cfg)
     _preflight(cfg)
     if args.check:
         print(json.dumps(cfg, indent=1))

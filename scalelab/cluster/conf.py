@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from .accounting import slurm_conf_lines
+
 CTLD_PORT = 6817
 SLURMD_PORT = 6818
 #: Jobs that may share one core (see OVERSUBSCRIBE comment in slurm_conf_text).
@@ -126,6 +128,9 @@ _LAYOUT = {
     "ctld_pid": "run/slurmctld.pid", "ctld_log": "log/slurmctld.log",
     "slurmd_pid": "run/slurmd.pid", "slurmd_log": "log/slurmd.log", "jobcomp_log": "log/jobcomp.txt",
     "epilog": "epilog.sh", "task_prolog": "task-prolog.sh",
+    # accounting (scalelab.cluster.accounting): slurmdbd.conf beside slurm.conf; the database root's alone (0700)
+    "dbd_conf": "slurmdbd.conf", "db_dir": "db", "db_data": "db/data", "db_socket": "db/mysqld.sock",
+    "db_pid": "db/mariadbd.pid", "db_log": "db/mariadbd.log", "dbd_pid": "db/slurmdbd.pid", "dbd_log": "db/slurmdbd.log",
 }
 
 
@@ -133,8 +138,9 @@ def slurm_conf_text(*, cluster_name: str, node_name: str, cpus: int, real_memory
                     state_dir: str | os.PathLike, node_addr: str | None = None, sockets: int | None = None,
                     cores_per_socket: int | None = None, threads_per_core: int = 1,
                     oversubscribe: int = OVERSUBSCRIBE, ctld_port: int = CTLD_PORT,
-                    slurmd_port: int = SLURMD_PORT) -> str:
-    """slurm.conf for a one-node cluster on a machine with `real_memory_mb` of memory; all paths under `state_dir`."""
+                    slurmd_port: int = SLURMD_PORT, dbd_port: int | None = None) -> str:
+    """slurm.conf for a one-node cluster on a machine with `real_memory_mb` of memory; all paths under `state_dir`.
+    `dbd_port`: accounting in our slurmdbd on that port (`scalelab.cluster.accounting`); None: no accounting."""
     p = StatePaths(Path(state_dir))
     memory = real_memory_mb - memory_headroom_mb(real_memory_mb)
     if sockets is None or cores_per_socket is None:
@@ -151,7 +157,7 @@ def slurm_conf_text(*, cluster_name: str, node_name: str, cpus: int, real_memory
              f"SlurmctldHost={node_name}" + (f"({node_addr})" if node_addr else ""),
              *_daemon_lines(p, ctld_port=ctld_port, slurmd_port=slurmd_port, slurmd_pid=p.slurmd_pid,
                             slurmd_log=p.slurmd_log, slurmd_spool=p.slurmd_spool, def_mem=def_mem,
-                            slurmd_timeout=60)]
+                            slurmd_timeout=60, dbd_port=dbd_port, gpus=gpus)]
     return "\n".join(lines + _node_and_partition_lines([node], node_name, gpus, oversubscribe)) + "\n"
 
 
@@ -198,7 +204,8 @@ def _node_and_partition_lines(node_lines: list[str], names: str, gpus: int, over
 
 
 def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid: Path, slurmd_log: Path,
-                  slurmd_spool: Path, def_mem: int, slurmd_timeout: int) -> list[str]:
+                  slurmd_spool: Path, def_mem: int, slurmd_timeout: int, dbd_port: int | None = None,
+                  gpus: int = 0) -> list[str]:
     """What every local cluster's slurm.conf says about its daemons, scheduling and accounting."""
     return [
         f"SlurmctldPort={ctld_port}",
@@ -242,10 +249,11 @@ def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid
         # A job over a partition's limits (MaxTime above all) is refused when it is submitted, with the reason,
         # instead of pending for ever.
         "EnforcePartLimits=ALL",
-        # No slurmdbd: `sacct` does not work. Finished jobs stay in `scontrol show job` for MinJobAge seconds,
-        # and every finished job gets one line (with its exit code) in the jobcomp file after that (0600, root's:
-        # every classmate's jobs are in it; LocalCluster._seal_accounting).
-        "AccountingStorageType=accounting_storage/none",
+        # With dbd_port, our slurmdbd holds associations and the student QOS (accounting.slurm_conf_lines); without
+        # (the N-node cluster), `sacct` does not work and no per-user limit holds. Either way finished jobs stay in
+        # `scontrol show job` for MinJobAge seconds, and every finished job gets one line (with its exit code) in
+        # the jobcomp file after that (0600, root's: every classmate's jobs are in it; LocalCluster._seal_accounting).
+        *(slurm_conf_lines(dbd_port, gpus, p.munge_socket) if dbd_port else ["AccountingStorageType=accounting_storage/none"]),
         "JobCompType=jobcomp/filetxt",
         f"JobCompLoc={p.jobcomp_log}",
         "MinJobAge=600",

@@ -24,6 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import accounting
+from .accounting import DBD_PORT
 from .conf import (CTLD_PORT, SLURMD_PORT, StatePaths, detect_machine, gres_conf_text, node_usable, parse_scontrol,
                    slurm_conf_text, summarise)
 from .job_end import install_scripts
@@ -34,7 +36,8 @@ from ..run.procs import kill_processes
 __all__ = ["LocalCluster", "default_state_dir", "slurm_conf_text"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")  # start order; stopped in reverse
-INSTALL = "apt-get install slurm-wlm munge"
+DB_DAEMONS = ("mariadbd", "slurmdbd")  # with accounting: started after munged, before slurmctld
+INSTALL = "apt-get install slurm-wlm munge slurmdbd mariadb-server"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
@@ -53,9 +56,12 @@ class LocalCluster:
     """munged, slurmctld and slurmd on this machine, all state in one directory; `up()` and `down()` are idempotent."""
 
     def __init__(self, state_dir: str | os.PathLike | None = None, *, ctld_port: int = CTLD_PORT,
-                 slurmd_port: int = SLURMD_PORT):
+                 slurmd_port: int = SLURMD_PORT, accounting: bool = True, dbd_port: int = DBD_PORT):
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().absolute()
         self.ports = (ctld_port, slurmd_port)  # only a second cluster beside the default one needs others
+        # accounting: our own MariaDB + slurmdbd, associations and the per-student QOS (scalelab.cluster.accounting)
+        self.accounting = accounting
+        self.dbd_port = dbd_port
         self.paths = StatePaths(self.state_dir)
         self.conf_path = self.paths.conf
         self.log_dir = self.paths.log_dir
@@ -92,9 +98,14 @@ class LocalCluster:
 
     # -- daemons ----------------------------------------------------------------------------------------------
 
+    @property
+    def daemons(self) -> tuple[str, ...]:
+        """This cluster's daemons in start order: munged, (mariadbd, slurmdbd with accounting), slurmctld, slurmd."""
+        return DAEMONS[:1] + (DB_DAEMONS if self.accounting else ()) + DAEMONS[1:]
+
     def _pid_file(self, daemon: str) -> Path:
-        return {"munged": self.paths.munge_pid, "slurmctld": self.paths.ctld_pid,
-                "slurmd": self.paths.slurmd_pid}[daemon]
+        return {"munged": self.paths.munge_pid, "slurmctld": self.paths.ctld_pid, "slurmd": self.paths.slurmd_pid,
+                "mariadbd": self.paths.db_pid, "slurmdbd": self.paths.dbd_pid}[daemon]
 
     def _pid(self, daemon: str) -> int | None:
         """Pid of our `daemon` from its pid file, or None if the file is missing or stale (dead or another program)."""
@@ -106,10 +117,10 @@ class LocalCluster:
         return pid if comm == daemon[:15] and not _zombie(pid) else None
 
     def _running(self) -> dict[str, int | None]:
-        return {d: self._pid(d) for d in DAEMONS}
+        return {d: self._pid(d) for d in self.daemons}
 
     def pids(self) -> dict[str, int | None]:
-        """The pid of each of our daemons (munged, slurmctld, slurmd); None for one that is not running."""
+        """The pid of each of our daemons (munged, mariadbd, slurmdbd, slurmctld, slurmd); None for one not running."""
         return self._running()
 
     def _healthy(self) -> bool:
@@ -134,7 +145,9 @@ class LocalCluster:
             yield
 
     def _preflight(self) -> None:
-        missing = [b for b in ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "scontrol")
+        needed = ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "scontrol")
+        needed += ("mariadbd", "mariadb-install-db", "slurmdbd", "sacctmgr") if self.accounting else ()
+        missing = [b for b in needed
                    if not shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
         if missing:
             raise ClusterError(f"{', '.join(missing)} not found; run `{INSTALL}`")
@@ -163,15 +176,72 @@ class LocalCluster:
                                    "--log-file", str(self.paths.munge_log), "--seed-file",
                                    str(self.paths.munge_seed), "--force"])
             self._check_munge()
+            if self.accounting:
+                self._start_accounting(deadline)
             self._start("slurmctld", ["slurmctld", "-f", str(self.conf_path)])
             self._start("slurmd", ["slurmd", "-f", str(self.conf_path)])
             self._wait_usable(deadline)
             self._probe(deadline)
         return self
 
+    # -- accounting: MariaDB, slurmdbd, associations, the student QOS ------------------------------------------
+
+    def _start_accounting(self, deadline: float) -> None:
+        """MariaDB on its private socket (its data folder made once), slurmdbd, then the course's cluster, account,
+        student QOS and every account's association, before slurmctld starts (it registers with slurmdbd)."""
+        p = self.paths
+        p.db_dir.mkdir(mode=0o700, exist_ok=True)
+        p.db_dir.chmod(0o700)  # the database, its socket and logs: root's alone
+        if not (p.db_data / "mysql").is_dir():
+            out = subprocess.run(accounting.mariadb_install_args(p.db_data), capture_output=True, text=True,
+                                 timeout=120, env=self._daemon_env())
+            if out.returncode:
+                raise ClusterError(f"mariadb-install-db failed (exit {out.returncode}): "
+                                   f"{(out.stdout + out.stderr).strip()[-400:]}")
+        # mariadbd stays in the foreground: setsid -f detaches it (its parent is init, not this process)
+        self._start("mariadbd", ["setsid", "-f", *accounting.mariadb_args(
+            datadir=p.db_data, socket=p.db_socket, pid_file=p.db_pid, log_file=p.db_log)])
+        self._wait_for(lambda: _connects_unix(p.db_socket), deadline, "mariadbd", p.db_log)
+        self._start("slurmdbd", ["slurmdbd"], env={"SLURM_CONF": str(self.conf_path),
+                                                   "MYSQL_UNIX_PORT": str(p.db_socket)})
+        self._wait_for(lambda: _connects_tcp(self.dbd_port), deadline, "slurmdbd", p.dbd_log)
+        accounting.ensure_course_setup(self.env(), self.cluster_name)
+
+    def _wait_for(self, ready, deadline: float, daemon: str, log: Path) -> None:
+        while not ready():
+            if not self._pid(daemon):
+                raise ClusterError(f"{daemon} exited during start-up; see {log}: {_tail(log)}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{daemon} did not answer in time; see {log}: {_tail(log)}")
+            time.sleep(0.05)
+
+    @property
+    def cluster_name(self) -> str:
+        """ClusterName in slurm.conf (and the cluster in slurmdbd)."""
+        return "scalelab"
+
+    def set_student_limits(self, cpus: int, gpus: int) -> None:
+        """The student QOS's MaxTRESPerUser: what one course account's jobs may hold at once (0 = no cap). The
+        number is the hub's (`hub.options.student_limits`); GPUs are capped only where the node has GPUs (a TRES)."""
+        if not self.accounting:
+            raise ClusterError(f"{self} runs without accounting: no QOS to set")
+        has_gpus = "AccountingStorageTRES=gres/gpu" in self.conf_path.read_text()
+        accounting.sacctmgr(accounting.qos_limit_command(cpus, gpus if has_gpus else None), self.env())
+
+    def student_limits(self) -> str:
+        """The student QOS's MaxTRESPerUser as sacctmgr shows it ("cpu=2", "" = no cap)."""
+        r = accounting.sacctmgr(["sacctmgr", "-n", "-P", "show", "qos", accounting.STUDENT_QOS,
+                                 "format=MaxTRESPerUser"], self.env())
+        return r.stdout.strip()
+
+    def register_user(self, name: str, student: bool | None = None) -> None:
+        """An association for `name` (a course account: with the student QOS); no-op without accounting."""
+        if self.accounting:
+            accounting.register_user(name, self.conf_path, student=student)
+
     def _check_ports(self) -> None:
         """Fail clearly when another Slurm (another state directory, or a system one) holds our ports."""
-        for port in self.ports:
+        for port in self.ports + ((self.dbd_port,) if self.accounting else ()):
             with socket.socket() as s:
                 s.settimeout(1)
                 if s.connect_ex(("127.0.0.1", port)) != 0:
@@ -188,7 +258,7 @@ class LocalCluster:
                                real_memory_mb=m.memory_mb, gpus=m.gpus, state_dir=self.state_dir,
                                node_addr=m.node_addr, sockets=m.sockets, cores_per_socket=m.cores_per_socket,
                                threads_per_core=m.threads_per_core, ctld_port=self.ports[0],
-                               slurmd_port=self.ports[1])
+                               slurmd_port=self.ports[1], dbd_port=self.dbd_port if self.accounting else None)
 
     def _conf_current(self) -> bool:
         """Whether the running cluster's slurm.conf is the one this version would write."""
@@ -209,6 +279,15 @@ class LocalCluster:
         install_scripts(p.epilog, p.task_prolog)
         m = detect_machine()
         self.conf_path.write_text(self._conf_text(m))
+        if self.accounting:
+            fd = os.open(p.dbd_conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:  # slurmdbd refuses a slurmdbd.conf others can read
+                os.fchmod(f.fileno(), 0o600)
+                f.write(accounting.slurmdbd_conf_text(state_dir=self.state_dir, dbd_port=self.dbd_port,
+                                                      munge_socket=p.munge_socket, log_file=p.dbd_log,
+                                                      pid_file=p.dbd_pid))
+        else:
+            p.dbd_conf.unlink(missing_ok=True)
         gres = gres_conf_text(node_name=m.hostname, gpus=m.gpus, files=m.gpu_files)
         if gres:
             p.gres_conf.write_text(gres)
@@ -232,15 +311,19 @@ class LocalCluster:
         finally:
             os.close(fd)
 
-    def _start(self, daemon: str, cmd: list[str]) -> None:
+    @staticmethod
+    def _daemon_env(extra: dict | None = None) -> dict:
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(Path.home()), "LANG": "C.UTF-8", **(extra or {})}
+
+    def _start(self, daemon: str, cmd: list[str], env: dict | None = None) -> None:
         """Start one daemon (it forks into the background itself) and wait for its pid file."""
         out = self.paths.log_dir / f"{daemon}.start.txt"
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(Path.home()), "LANG": "C.UTF-8"}
+        env = self._daemon_env(env)
         with open(out, "w") as f:
             rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 timeout=60).returncode
         log = self.paths.log_dir / f"{daemon}.log"
-        for _ in range(100):
+        for _ in range(200):
             if self._pid(daemon):
                 return
             if rc:
@@ -297,7 +380,7 @@ class LocalCluster:
             self._stop_all()
 
     def _stop_all(self) -> None:
-        for daemon in reversed(DAEMONS):
+        for daemon in reversed(DAEMONS[:1] + DB_DAEMONS + DAEMONS[1:]):  # accounting's too, even if now off
             pid = self._pid(daemon)
             if pid:
                 try:
@@ -363,7 +446,13 @@ class LocalCluster:
         return next((x for x in found if x.get("ReservationName") == name), None)
 
     def ensure_user(self, username: str) -> None:
-        """Create the local Unix user `username` with a home directory (useradd -m) unless it exists."""
+        """Create the local Unix user `username` with a home directory (useradd -m) unless it exists, and give it
+        its association when this cluster runs with accounting (a person's: no student QOS)."""
+        self._ensure_unix_user(username)
+        if self.accounting and self.paths.dbd_pid.exists() and self._pid("slurmdbd"):
+            self.register_user(username)
+
+    def _ensure_unix_user(self, username: str) -> None:
         if not _USER.match(username):
             raise ClusterError(f"user name {username!r} is not valid: lower-case letters, digits, '_', '-'")
         if _user_exists(username):
@@ -391,6 +480,17 @@ def _daemon_cmdlines() -> list[str]:
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
                 found.append(f"pid {proc.name}: {cmdline}")
     return found
+
+
+def _connects_unix(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        return s.connect_ex(str(path)) == 0
+
+
+def _connects_tcp(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _zombie(pid: int) -> bool:

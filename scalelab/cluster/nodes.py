@@ -50,7 +50,9 @@ class NodesCluster(LocalCluster):
     def __init__(self, state_dir: str | os.PathLike | None = None, *, nodes: int | None = None,
                  gpus_per_node: int | None = None, link_rate: str | None = None, ctld_port: int = CTLD_PORT,
                  slurmd_port: int = SLURMD_PORT):
-        super().__init__(state_dir or default_nodes_state_dir(), ctld_port=ctld_port, slurmd_port=slurmd_port)
+        # No accounting: the hub never uses this cluster, and no course account submits to it (see accounting.py)
+        super().__init__(state_dir or default_nodes_state_dir(), ctld_port=ctld_port, slurmd_port=slurmd_port,
+                         accounting=False)
         saved = self._saved()  # down/status without arguments act on the shape that was brought up
         self.nodes = nodes if nodes is not None else saved.get("nodes", 2)
         self.gpus_per_node = gpus_per_node if gpus_per_node is not None else saved.get("gpus_per_node", 0)

@@ -111,6 +111,7 @@ class CourseSpawner(LoggingConfigurable):
             if COURSE_GROUP not in groups and grp.getgrgid(pw.pw_gid).gr_name != COURSE_GROUP:
                 raise SpawnFailed(f"the name {name!r} belongs to an account on this machine that is not a course "
                                   "account; ask your instructor for another name")
+            self._register_in_slurm(name)  # once per hub process: an account made before accounting was on
             return
         if os.geteuid() != 0:
             raise SpawnFailed("servers.create_accounts needs a hub running as root; ask your instructor")
@@ -122,6 +123,25 @@ class CourseSpawner(LoggingConfigurable):
                 raise SpawnFailed(f"could not create the course account {name!r}: {r.stderr.strip()[:300]}")
         os.chmod(pwd.getpwnam(name).pw_dir, 0o700)  # classmates may not read each other's homes
         self.log.info("Created course account %s (group %s)", name, COURSE_GROUP)
+        self._register_in_slurm(name)
+
+    _registered: set = set()
+
+    def _register_in_slurm(self, name: str) -> None:
+        """The course account's association on the local cluster, with the per-student QOS (its jobs from a
+        terminal are held to what one student may hold; scalelab.cluster.accounting). Without one, a cluster that
+        enforces associations refuses every job of the account. A centre's Slurm: its administrators' to do."""
+        if name in CourseSpawner._registered:
+            return
+        from ..cluster.accounting import register_user
+        from ..errors import ClusterError
+        conf = getattr(self, "slurm_conf", None)  # local mode: the local cluster, if there is one
+        try:
+            if register_user(name, conf or ("/etc/slurm/slurm.conf" if conf == "" else None), student=True):
+                self.log.info("Course account %s: association with the student QOS in the local Slurm", name)
+        except ClusterError as e:
+            raise SpawnFailed(f"could not give the course account {name!r} its Slurm association: {e}") from None
+        CourseSpawner._registered.add(name)
 
     def user_env(self, env):
         """USER, HOME and SHELL of the student, without requiring a Unix account in hub-account mode."""

@@ -244,15 +244,23 @@ def resolve_options(user_options: Mapping[str, Any] | None, profiles: Iterable[P
     return JobRequest(profile=profile, seconds=seconds)
 
 
+def student_limits(profiles: Iterable[Profile], max_cpus: int = 0, max_gpus: int = 0) -> tuple[int, int]:
+    """(CPUs, GPUs) one student may hold at once: `slurm.per_student`'s numbers, 0 = what the course's largest
+    profile needs. The one source of the cap: the hub's check below and the local cluster's student QOS
+    (MaxTRESPerUser, for jobs a student submits from a terminal; `LocalCluster.set_student_limits`)."""
+    profiles = list(profiles)
+    return (max_cpus or max((p.cpus for p in profiles), default=0),
+            max_gpus or max((p.gpus for p in profiles), default=0))
+
+
 def check_student_total(request: JobRequest, others: Iterable[str], profiles: Iterable[Profile],
                         max_cpus: int = 0, max_gpus: int = 0) -> None:
     """OptionError when `request` and the student's other live servers (`others`: their profile names) together
     ask for more CPUs or GPUs than one student may hold at once. 0 = what the course's largest profile needs (one
-    server of any size, or several small ones): named servers do not multiply the profile limits. A centre's Slurm
-    holds the same line for jobs a student submits itself with a QOS (MaxTRESPerUser)."""
+    server of any size, or several small ones): named servers do not multiply the profile limits. Slurm holds the
+    same line for jobs a student submits itself with a QOS (MaxTRESPerUser): the local cluster's is this number."""
     profiles = {p.name: p for p in profiles}
-    max_cpus = max_cpus or max((p.cpus for p in profiles.values()), default=0)
-    max_gpus = max_gpus or max((p.gpus for p in profiles.values()), default=0)
+    max_cpus, max_gpus = student_limits(profiles.values(), max_cpus, max_gpus)
     held = [profiles[name] for name in others if name in profiles]
     cpus = request.profile.cpus + sum(p.cpus for p in held)
     gpus = request.profile.gpus + sum(p.gpus for p in held)

@@ -1,0 +1,166 @@
+"""The local cluster's per-student QOS (scalelab/cluster/accounting.py): what a centre's slurmdbd holds.
+
+Attack: a course account submits jobs itself from a terminal in its JupyterLab (sbatch, the way the hub's Slurm
+commands reach the account: `sudo -E -u <account>`), past the hub's spawn form and its per-student check. Before
+the change the local cluster had no accounting (AccountingStorageType=accounting_storage/none): the student's
+second job over the cap ran beside the first. Now its QOS's MaxTRESPerUser (the hub's `slurm.per_student`, set the
+way `scalelab hub` sets it) keeps it PENDING with Slurm's reason. Controls: a classmate's job runs at the same
+time (the cap is per student), and a person's account outside the course is not limited."""
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from scalelab.cluster import accounting
+from scalelab.cluster.accounting import COURSE_ACCOUNT, STUDENT_QOS, missing_commands, qos_limit_command
+from scalelab.cluster.conf import slurm_conf_text
+from scalelab.cluster.job_end import COURSE_GROUP
+from scalelab.hub.options import Profile, student_limits
+
+CAP = 2  # CPUs one student may hold at once in this test: each job asks for all of them
+
+
+# -- the text of it (no cluster) --------------------------------------------------------------------------------------
+def test_slurm_conf_enforces_associations_and_qos_limits_only_with_accounting(tmp_path):
+    shape = dict(cluster_name="c", node_name="n", cpus=2, real_memory_mb=4000, gpus=1, state_dir=tmp_path)
+    on = slurm_conf_text(**shape, dbd_port=6819)
+    assert "AccountingStorageType=accounting_storage/slurmdbd" in on and "AccountingStoragePort=6819" in on
+    assert "AccountingStorageEnforce=associations,limits,qos" in on and "AccountingStorageTRES=gres/gpu" in on
+    assert f"AccountingStoragePass={tmp_path}/munge/munge.socket" in on  # our munged, not the system's
+    off = slurm_conf_text(**shape)
+    assert "AccountingStorageType=accounting_storage/none" in off and "AccountingStorageEnforce" not in off
+
+
+def test_slurmdbd_conf_and_mariadb_are_private():
+    text = accounting.slurmdbd_conf_text(state_dir="/s", dbd_port=6819, munge_socket="/s/munge/munge.socket",
+                                         log_file="/s/db/slurmdbd.log", pid_file="/s/db/slurmdbd.pid")
+    assert "PrivateData=accounts,events,jobs,reservations,usage,users" in text  # sacct shows a student their own
+    args = accounting.mariadb_args(datadir=Path("/s/db/data"), socket=Path("/s/db/mysqld.sock"),
+                                   pid_file=Path("/s/db/p"), log_file=Path("/s/db/l"))
+    assert "--skip-networking" in args and "--no-defaults" in args  # a socket in a 0700 folder, no TCP
+
+
+def test_the_qos_cap_is_the_hubs_per_student_number():
+    shape = dict(partition="cpu", walltime="1:00:00")
+    profiles = [Profile("small", "Small", cpus_per_task=1, **shape),
+                Profile("big", "Big", cpus_per_task=4, gpus_per_node=1, **shape)]
+    assert student_limits(profiles) == (4, 1)          # 0 = what the largest profile needs
+    assert student_limits(profiles, 2, 0) == (2, 1)    # the setting wins where given
+    assert qos_limit_command(2, 1)[-1] == "MaxTRESPerUser=cpu=2,gres/gpu=1"
+    assert qos_limit_command(0, None)[-1] == "MaxTRESPerUser=cpu=-1"  # no cap; no GPU TRES on a node without GPUs
+
+
+def test_only_what_is_missing_is_added_course_accounts_with_the_student_qos_alone():
+    fresh = missing_commands("", "normal\n", cluster_name="c", people=["root"], students=["s1"])
+    assert [c[2:4] for c in fresh] == [["add", "cluster"], ["add", "account"], ["add", "qos"], ["add", "user"],
+                                       ["add", "user"]]
+    assert f"qos={STUDENT_QOS}" in fresh[4] and f"defaultqos={STUDENT_QOS}" in fresh[4]
+    assert not any(a.startswith("qos=") for a in fresh[3])  # a person: the default QOS, no cap
+    assoc = f"c|root||normal\nc|{COURSE_ACCOUNT}||normal\nc|{COURSE_ACCOUNT}|root|normal\nc|{COURSE_ACCOUNT}|s1|normal\n"
+    again = missing_commands(assoc, f"normal\n{STUDENT_QOS}\n", cluster_name="c", people=["root"], students=["s1"])
+    assert again == [accounting.student_qos_command(["s1"], "c")]  # made as a person's before: moved to the QOS
+    assoc = assoc.replace("|s1|normal", f"|s1|{STUDENT_QOS}")
+    assert missing_commands(assoc, f"normal\n{STUDENT_QOS}\n", cluster_name="c", people=["root"],
+                            students=["s1"]) == []  # a restart with nothing new: no command
+
+
+# -- on the real cluster --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def accounts(slurm_cluster):
+    """Two course accounts (group COURSE_GROUP) and a person's account, throwaway, each with its association made
+    the way the hub makes a course account's (`accounting.register_user`)."""
+    tag = secrets.token_hex(3)
+    s1, s2, person = f"sl-qos-a{tag}", f"sl-qos-b{tag}", f"sl-qos-p{tag}"
+    subprocess.run(["groupadd", "-f", "-r", COURSE_GROUP], check=True)
+    for name in (s1, s2):
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", "--groups", COURSE_GROUP, name],
+                       check=True)
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", person], check=True)
+    try:
+        for name in (s1, s2, person):
+            accounting.register_user(name, slurm_cluster.conf_path)
+        yield s1, s2, person
+    finally:
+        for name in (s1, s2, person):
+            slurm_cluster.run("scancel", "-u", name, check=False)
+            uid = pwd.getpwnam(name).pw_uid
+            for p in psutil.process_iter(["uids"]):
+                if p.info["uids"] and p.info["uids"].real == uid:
+                    p.kill()
+            subprocess.run(["userdel", name], check=False)
+            slurm_cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
+
+
+@pytest.fixture
+def student_cap(slurm_cluster):
+    """The hub's per-student cap set to CAP CPUs the way `scalelab hub` sets it (cli.hub.apply_student_qos from
+    the hub settings' slurm.per_student); the cap before is put back afterwards."""
+    from scalelab.cli.hub import apply_student_qos
+    from scalelab.hub.settings import load_settings
+    r = slurm_cluster.run("sacctmgr", "-n", "-P", "show", "qos", STUDENT_QOS, "format=MaxTRESPerUser", check=False)
+    before = r.stdout.strip()
+    cfg = load_settings(None, {"mode": "slurm", "slurm": {"conf": str(slurm_cluster.conf_path),
+                                                          "per_student": {"cpus": CAP, "gpus": 0}}})
+    applied = apply_student_qos(cfg)
+    yield applied
+    if applied:
+        slurm_cluster.run("sacctmgr", "-i", "modify", "qos", "where", f"name={STUDENT_QOS}", "set",
+                          f"MaxTRESPerUser={before or 'cpu=-1'}", check=False)
+
+
+def _submit(cluster, user: str, folder: Path) -> str:
+    """sbatch as `user` through sudo, as the hub's Slurm commands and a student's terminal do."""
+    r = subprocess.run(["sudo", "-E", "-u", user, "sbatch", "--parsable", f"--chdir={folder}", "--output=/dev/null",
+                        f"--cpus-per-task={CAP}", "--mem=50", "--time=5", "-J", "qos-test", "--wrap", "sleep 300"],
+                       env={**os.environ, **cluster.env()}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"sbatch as {user} refused: {r.stderr.strip()}"
+    return r.stdout.strip().split(";")[0]
+
+
+def _queue(cluster, job: str) -> tuple[str, str]:
+    out = cluster.run("squeue", "-h", "-j", job, "-o", "%T|%r", check=False).stdout.strip()
+    state, _, reason = out.partition("|")
+    return state or "GONE", reason
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"not within {timeout:g} s: {what}")
+
+
+@pytest.mark.slurm
+def test_a_students_second_job_over_the_cap_waits_on_the_qos_a_classmate_and_a_person_run(
+        slurm_cluster, accounts, student_cap):
+    s1, s2, person = accounts
+    folder = Path(tempfile.mkdtemp(prefix="sl-qos-"))
+    folder.chmod(0o777)
+    first = _submit(slurm_cluster, s1, folder)
+    _wait(lambda: _queue(slurm_cluster, first)[0] == "RUNNING", 30, f"{s1}'s first job runs")
+    second = _submit(slurm_cluster, s1, folder)  # the attack: one more job of the full cap, from a terminal
+    classmate = _submit(slurm_cluster, s2, folder)
+    own = [_submit(slurm_cluster, person, folder) for _ in range(2)]
+    # the controls first: the cap is per student, and a person's jobs are not held to it
+    for job, who in [(classmate, s2), *((j, person) for j in own)]:
+        _wait(lambda: _queue(slurm_cluster, job)[0] == "RUNNING", 30, f"{who}'s job {job} runs")
+    state, reason = _wait(lambda: (lambda q: q if q[1].startswith("QOS") or q[0] != "PENDING" else None)(
+        _queue(slurm_cluster, second)), 20, f"{s1}'s second job gets a reason")
+    assert (state, reason) == ("PENDING", "QOSMaxCpuPerUserLimit"), \
+        f"{s1}'s second job of {CAP} CPUs is {state} ({reason}) while the first holds the per-student cap " \
+        f"(QOS {STUDENT_QOS}, set to {student_cap}): no per-student limit in Slurm"
+    assert _queue(slurm_cluster, first)[0] == "RUNNING"
+    # it was the cap alone: when the first job ends, the second starts
+    slurm_cluster.run("scancel", first)
+    _wait(lambda: _queue(slurm_cluster, second)[0] == "RUNNING", 30, f"{s1}'s second job runs once the first ended")
