@@ -3,6 +3,9 @@
 #
 #   openmpi-bin libopenmpi-dev   mpirun, and mpicc for the Horovod build
 #   slurm-wlm munge              the local single-node Slurm cluster the hub and the tests use
+#   slurmdbd mariadb-server      its accounting: associations and the per-student QOS (scalelab/cluster/accounting.py);
+#                                the cluster runs its own private mariadbd and slurmdbd, never the system services
+#                                (on a fresh container: ~10 s and ~195 MB, 35 packages with their dependencies)
 #   chromium chromium-driver     headless browser tests (playwright with executable_path=/usr/bin/chromium)
 #   sudo                         batchspawner's default exec_prefix is `sudo -E -u {username}`
 #   build-essential              the Horovod build (g++; its cmake < 4 comes from PyPI into the venv)
@@ -15,7 +18,7 @@
 # command to run and fails. SCALELAB_DEBIAN_EXTRA="pkg ..." adds site-specific packages.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
-PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge chromium chromium-driver sudo
+PACKAGES=(openmpi-bin libopenmpi-dev slurm-wlm munge slurmdbd mariadb-server chromium chromium-driver sudo
           build-essential git make python3 python3-venv python3-dev)
 # shellcheck disable=SC2206  # word splitting is the point: a space-separated list of names
 PACKAGES+=(${SCALELAB_DEBIAN_EXTRA:-})
