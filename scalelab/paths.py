@@ -148,5 +148,21 @@ def read_beneath(base: str | Path, relpath: str | Path, max_bytes: int, *, tail:
         os.close(fd)
 
 
-__all__ = ["read_beneath", "checkout_root", "labs_dir", "student_labs_dir", "hub_config_dir", "kernels_dir", "venv_bin",
+def json_lines(text: str | bytes) -> list[dict]:
+    """The JSON objects of a JSON-lines text, in order. Tolerant, as logs that a killed process or a student may have
+    written need: a line that is not a JSON object (cut short by a kill, junk, nested too deep) is skipped and the
+    rest still counts."""
+    import json
+    out = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+__all__ = ["read_beneath", "json_lines", "checkout_root", "labs_dir", "student_labs_dir", "hub_config_dir", "kernels_dir", "venv_bin",
            "find_tool", "require_tool", "INSTALL_HINTS"]

@@ -217,3 +217,16 @@ def test_a_truncated_trace_is_reported_with_what_to_check(tmp_path):
     bad.write_text(json.dumps({"traceEvents": []})[:-3])
     with pytest.raises(ValueError, match="profile.enabled=true"):
         load_trace(bad)
+
+
+def test_json_lines_keeps_every_object_and_skips_what_a_kill_or_a_student_left():
+    """The one JSON-lines reader of the logs the labs and the grader read (paths.json_lines): a line cut short by a
+    kill, junk, a value that is not an object or one nested past the parser's depth is skipped; the rest is kept,
+    in order."""
+    from scalelab.paths import json_lines
+    deep = "[" * 100000 + "]" * 100000
+    text = '{"a": 1}\n\n[1, 2]\n"x"\nnot json\n' + deep + '\n{"b": {"c": 2}}\n{"cut": tr'
+    assert json_lines(text) == [{"a": 1}, {"b": {"c": 2}}]
+    assert json_lines(text.encode()) == [{"a": 1}, {"b": {"c": 2}}]
+    from scalelab.experiments import kill_resume, timing
+    assert timing.read_log(text) == kill_resume.read_log(text) == json_lines(text)

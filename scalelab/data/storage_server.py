@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scalelab.errors import ScalelabError  # absolute: the server process loads this file alone (no torch)
+from scalelab.paths import json_lines
 from scalelab.run.sockets import socket_owner
 
 POLICIES = ("fifo", "size-fair", "job-fair", "user-fair")
@@ -451,7 +452,7 @@ class StorageClient:
 
 def read_log(path) -> list[dict]:
     """The server's log entries (start line, request lines, policy errors), in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return json_lines(Path(path).read_text())
 
 
 def main(argv=None) -> int:

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from ..ckpt.sync import save_checkpoint
-from ..paths import read_beneath
+from ..paths import json_lines, read_beneath
 from .own_code import load_own
 
 LOG = "log.jsonl"
@@ -400,15 +400,7 @@ def _resume_verdict(log: list[dict], whole: dict, truth: dict, expected: int) ->
 
 def read_log(text: str) -> list[dict]:
     """The events of a log.jsonl text (a line that is not a JSON object is skipped: the last one a kill cut)."""
-    out = []
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            out.append(event)
-    return out
+    return json_lines(text)
 
 
 def _read_log(path: Path) -> list[dict]:

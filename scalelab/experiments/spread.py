@@ -35,6 +35,7 @@ import numpy as np
 from ..data.formats import write_dataset
 from ..data.spread import SOURCES, GlobalIndex, SpreadError, write_checksums
 from ..data.synthetic import heat_fields
+from ..paths import json_lines
 from .read_decode import balance_figure, balance_threads, decode_augment  # the lab finds them here too
 from .spread_rank import CACHES, default_node_root, node_cache_dir, spread_rank  # the rank side
 
@@ -205,7 +206,7 @@ def spread_verdict(workdir, run_dir, max_bytes: int = 16 << 20) -> dict:
 
     def lines(name):
         text = read_run_file(workdir, os.path.join(run, "events", name), max_bytes)
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return json_lines(text)
 
     first = lines("rank-0.jsonl")
     start0 = next(e for e in first if e["type"] == "start")

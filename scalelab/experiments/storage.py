@@ -26,6 +26,7 @@ import numpy as np
 
 from ..data.storage_server import BUILTIN, CODE_DIR, ServerProcess, StorageClient, read_log
 from ..launch.spmd import SpmdPool
+from ..paths import json_lines
 
 STREAM = "stream.bin"
 """The large file the scaling and fair-share readers read in chunks."""
@@ -527,7 +528,7 @@ def sampler_verdict(entries, samples: int, world: int, epochs: int, index: list 
 def run_log(workdir, path) -> list[dict]:
     """A server log at a recorded path, re-read beneath `workdir` the way a grader reads a submission's files."""
     from .profiling import read_run_file
-    return [json.loads(line) for line in read_run_file(workdir, path).splitlines() if line.strip()]
+    return json_lines(read_run_file(workdir, path))
 
 
 __all__ = ["JOBS", "make_jobs", "STREAM", "FILES", "INDEX", "StorageLab", "make_data", "sample_bytes", "sample_list",

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..paths import json_lines
 from .own_code import OwnCodeError, load_own, not_written
 
 LOG = "probe.jsonl"
@@ -135,15 +136,7 @@ def _ms(seconds: float) -> float | None:
 
 def read_log(text: str) -> list[dict]:
     """The events of a probe.jsonl text (lines that are not JSON objects are skipped)."""
-    out = []
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            out.append(event)
-    return out
+    return json_lines(text)
 
 
 __all__ = ["ProbeDevice", "timer_probe", "probe_verdict", "read_log", "LOG", "TOLERANCE"]
