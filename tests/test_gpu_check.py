@@ -43,7 +43,7 @@ def test_the_gpu_check_runs_on_a_cpu_in_a_python_without_the_projects_dependenci
     assert has.returncode == 0 and has.stdout.strip() == "[]", (has.stdout, has.stderr[-2000:])
     out = tmp_path / "results"
     proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--device", "cpu", "--tiny",
-                           "--compile-backend", "eager", "--python", str(python), "--out", str(out)],
+                           "--compile-backend", "eager", "--python", str(python), "--out", str(out), "--labs", "01"],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # as test_gpt: robust on a loaded machine
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,6 +56,8 @@ def test_the_gpu_check_runs_on_a_cpu_in_a_python_without_the_projects_dependenci
     assert report["device"] == "cpu" and report["torch"] and report["date"] and report["bf16_over_fp32"] > 0
     assert report["gpu_tests"].startswith("not run") and "pytest" in report["gpu_tests"]
     assert "done in" in proc.stderr
+    # step 3 needs papermill and a kernel in that Python: without them it says so and the check still ends well
+    assert (out / "labs.log").read_text().startswith("not run") and "papermill" in (out / "labs.log").read_text()
 
 
 def test_the_check_names_a_devices_folder_and_reads_pytests_summary(tmp_path):
