@@ -138,3 +138,38 @@ def test_torchs_interleaved_1f1b_trains_like_its_1f1b_and_the_unsplit_model():
         assert r["interleaved_losses"] == pytest.approx(r["one_f_one_b_losses"], rel=1e-5)
         assert r["interleaved_losses"] == pytest.approx(r["serial_losses"], rel=1e-5)
         assert r["interleaved_activation_peak_bytes"] > 0 and r["one_f_one_b_activation_peak_bytes"] > 0
+
+
+def test_torchs_interleaved_schedule_runs_two_chunks_per_rank_in_the_engine_to_gpipes_losses(tmp_path):
+    """pipeline.schedule = torch-interleaved: the MLP cut into 2 ranks x 2 chunks (rank r holds chunks r and r + 2,
+    pipeline.hold_chunks), torch's ScheduleInterleaved1F1B over them: the losses of torch's GPipe on one stage per
+    rank, and of the unsplit model; the evaluation goes round the chunks, the saved model is the whole one."""
+    runs = {schedule: launch(tiny(tmp_path, schedule, workers=2, **MLP, **{"pipeline.schedule": schedule}))
+            for schedule in ("torch-gpipe", "torch-interleaved")}  # side by side
+    serial = launch(tiny(tmp_path, "serial", workers=1, **{**MLP, "strategy": "ddp"}))
+    summaries = {name: run.wait(timeout=180) for name, run in {**runs, "serial": serial}.items()}
+    for name in ("torch-interleaved", "serial"):
+        assert summaries[name]["loss_curve"] == pytest.approx(summaries["torch-gpipe"]["loss_curve"], rel=1e-5,
+                                                              abs=1e-6), name
+    assert summaries["torch-interleaved"]["eval_accuracy"] == pytest.approx(summaries["torch-gpipe"]["eval_accuracy"])
+    pipe = run_evidence(tmp_path)[RUNS]["torch-interleaved"]["pipeline"]
+    assert pipe["schedule"] == "torch-interleaved" and pipe["stages"] == 2
+    for rank, ops in enumerate(pipe["ops"]):  # each rank ran F and B of every micro-batch in both of its chunks
+        chunks = {int(op.split("/")[1]) for op in ops.split()}
+        assert chunks == {rank, rank + 2} and len(ops.split()) == 2 * 2 * MLP["pipeline.micro_batches"], ops
+    assert 0 < pipe["bubble"] < 1 and all(b > 0 for b in pipe["activation_peak_bytes"])
+    gpipe, interleaved = (torch.load(f"{tmp_path}/{name}/model.pt") for name in ("torch-gpipe", "torch-interleaved"))
+    assert gpipe.keys() == interleaved.keys()
+    assert all(torch.allclose(gpipe[k], interleaved[k], atol=1e-6) for k in gpipe)
+
+
+@pytest.mark.parametrize("changes, field, words", [
+    ({"model.depth": 2}, "pipeline.schedule", "2 x 2 = 4 chunks"),
+    ({"pipeline.micro_batches": 5, "optim.batch_per_worker": 30}, "pipeline.micro_batches", "multiple of 2"),
+    ({"strategy": "3d", "world.workers_per_node": 4, "parallel.tp": 2, "parallel.pp": 2}, "pipeline.schedule",
+     "parallel.tp = 1"),
+])
+def test_torchs_interleaved_schedule_is_refused_where_it_cannot_run_naming_the_field(tmp_path, changes, field, words):
+    with pytest.raises(SpecError) as err:
+        tiny(tmp_path, "x", workers=2, **{**MLP, "pipeline.schedule": "torch-interleaved", **changes})
+    assert err.value.field == field and words in str(err.value)

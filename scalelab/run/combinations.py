@@ -120,6 +120,10 @@ def fsdp_checks(spec) -> None:
     _ranks_hold_parts(spec, "FSDP runs", "shard of the state")
 
 
+PIPELINE_CHUNKS = {"torch-interleaved": 2}
+"""The model chunks (virtual stages) each rank holds under a pipeline.schedule (train/pipeline.py); 1 if not here."""
+
+
 def mesh_checks(spec) -> None:
     """Strategies tp, pp and 3d: a dp x pp x tp mesh that the world size fills, a model it can cut, whole
     micro-batches, torch.distributed ranks, and checkpoints that every rank writes its own part of."""
@@ -146,6 +150,21 @@ def mesh_checks(spec) -> None:
         raise SpecError("parallel.pp" if spec.strategy == "3d" else "world.workers_per_node",
                         f"got {pp} pipeline stages; a {name} of depth {depth} is cut into at most {most} stages "
                         "(raise model.depth for more)")
+    chunks = PIPELINE_CHUNKS.get(spec.pipeline.schedule, 1)
+    if pp > 1 and chunks > 1:
+        schedule, micro = spec.pipeline.schedule, spec.pipeline.micro_batches
+        if pp * chunks > most:
+            raise SpecError("pipeline.schedule", f"got {schedule!r}, which cuts the model into {pp} x {chunks} = "
+                                                 f"{pp * chunks} chunks, one per virtual stage; a {name} of depth "
+                                                 f"{depth} is cut into at most {most}: raise model.depth, use fewer "
+                                                 "pipeline stages, or a schedule of one stage per rank")
+        if tp > 1:
+            raise SpecError("pipeline.schedule", f"got {schedule!r} with parallel.tp = {tp}; its chunks are cut "
+                                                 "from the whole model: use parallel.tp = 1 with it")
+        if micro % max(1, micro // pp):
+            raise SpecError("pipeline.micro_batches", f"got {micro}; {schedule} runs them in max(1, micro_batches "
+                                                      f"// {pp} stages) = {micro // pp} rounds of equal size: use a "
+                                                      f"multiple of {max(1, micro // pp)}")
     if tp > 1 and name == "mlp" and (depth < 2 or width % tp):
         raise SpecError("model.width" if depth >= 2 else "model.depth",
                         f"tensor parallelism splits pairs of the mlp's hidden layers over {tp} ranks: it needs "

@@ -257,7 +257,8 @@ class PipelineSpec:
     """gpipe (every forward, then every backward), 1f1b (one forward, one backward once the pipe is full),
     module:function (a schedule of your own: function(stage, stages, micro) -> [("F" | "B", micro-batch), ...],
     from <module>.py beside the notebook, checked before the first step: complete, in order, no deadlock), or
-    torch-gpipe / torch-1f1b (torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the same stages)."""
+    torch-gpipe / torch-1f1b (torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the same stages) or
+    torch-interleaved (its ScheduleInterleaved1F1B: the model cut into 2 chunks per rank, rank r holding r and r + pp)."""
     micro_batches: int = 4
     """Micro-batches each batch is cut into; the bubble is (stages - 1) / (micro_batches + stages - 1)."""
 

@@ -15,7 +15,7 @@ from .combinations import (fsdp_checks, gloo_cannot_run, horovod_elastic, kfac_c
 MODELS = ("cnn", "mlp", "transformer", "gpt")
 DATA_SOURCES = ("heat", "digits", "path", "pysrc")
 STRATEGIES = ("ddp", "horovod", "fsdp", "pp", "tp", "3d")
-SCHEDULES = ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b")  # pipeline.schedule; or module:function
+SCHEDULES = ("gpipe", "1f1b", "torch-gpipe", "torch-1f1b", "torch-interleaved")  # pipeline.schedule; or module:function
 SHARDINGS = ("full", "grad_op", "none")
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 LAUNCHERS = ("local", "torchrun", "slurm", "srun", "horovodrun", "mpirun")

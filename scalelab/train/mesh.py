@@ -10,6 +10,8 @@ nodes). Every rank is in three groups:
                           pairs column/row; a transformer block's attention by heads, its MLP column/row.
     pp group {(d, *, t)}  replica d's pipeline: activations forward, gradients back, micro-batch by micro-batch,
                           by a GPipe or 1F1B schedule (pipeline.PipelineStage); stage p keeps units cut_p..cut_p+1.
+                          Under torch's interleaved schedule the units are cut into pp x 2 chunks and stage p
+                          keeps chunks p and p + pp (pipeline.hold_chunks), each a module of its own.
     dp group {(*, p, t)}  the ranks holding the same shard: after backward they average its gradients (one flat
                           all-reduce per step, as DDP's single bucket does for whole replicas).
 
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from ..ckpt.manifest import read_manifest
 from ..ckpt.sync import SyncCheckpointer
 from .partitioned import PartitionedModelStrategy
-from .pipeline import PipelineStage, balanced_cuts
+from .pipeline import PipelineStage, balanced_cuts, chunks_per_rank, hold_chunks
 from .tensor_parallel import gather_shards, split_model
 
 
@@ -64,6 +66,7 @@ class MeshStrategy(PartitionedModelStrategy):
         self.split: dict[str, tuple[int, int]] = {}  # tensor-parallel parameter -> (dim, chunks)
         self.stage: PipelineStage | None = None
         self.boundary: tuple = ()  # the shape of one sample's activation this stage receives
+        self.boundaries: dict[int, tuple] = {}  # interleaved: per virtual stage, the same
         self.comm_s = 0.0
 
     @property
@@ -90,17 +93,25 @@ class MeshStrategy(PartitionedModelStrategy):
         """Keep this rank's shard of its stage: split layers over tp, cut units over pp; the (still stateless)
         optimizer then steps only the kept parameters, found by their unchanged names."""
         names = {id(p): n for n, p in model.named_parameters()}
-        cuts = balanced_cuts(model.unit_sizes(), self.pp) if self.pp > 1 else None  # serial sizes: same everywhere
+        chunks = chunks_per_rank(self.spec.pipeline.schedule) if self.pp > 1 else 1
+        # serial sizes: the same cuts everywhere
+        cuts = balanced_cuts(model.unit_sizes(), self.pp * chunks) if self.pp > 1 else None
         if self.tp > 1:
             self.split = split_model(model, self.t, self.tp, self.groups["tp"])
         if cuts is not None:
-            first, last = cuts[self.p], cuts[self.p + 1]
-            if first > 0:  # one sample through the stages before: the activation's shape (tp collectives inside)
-                x0 = torch.zeros(1, *model.sample_shape, device=self.device)
-                with torch.no_grad():
-                    self.boundary = tuple(model.forward_units(x0, 0, first).shape[1:])
-            model.keep_units(first, last)
-            self.stage = PipelineStage(model, self.p, self.pp, self.groups["pp"])
+            mine = list(range(self.p, self.pp * chunks, self.pp))  # this rank's virtual stages: p, p + pp, ...
+            for v in mine:
+                if cuts[v] > 0:  # one sample through the stages before: the activation's shape (tp inside)
+                    x0 = torch.zeros(1, *model.sample_shape, device=self.device)
+                    with torch.no_grad():
+                        self.boundaries[v] = tuple(model.forward_units(x0, 0, cuts[v]).shape[1:])
+            self.boundary = self.boundaries.get(self.p, ())
+            if chunks == 1:
+                model.keep_units(cuts[self.p], cuts[self.p + 1])
+                self.stage = PipelineStage(model, self.p, self.pp, self.groups["pp"])
+            else:
+                parts = hold_chunks(model, [(cuts[v], cuts[v + 1]) for v in mine])
+                self.stage = PipelineStage(model, self.p, self.pp, self.groups["pp"], chunks=list(zip(parts, mine)))
         kept = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [kept[names[id(p)]] for p in group["params"] if names[id(p)] in kept]
@@ -141,6 +152,10 @@ class MeshStrategy(PartitionedModelStrategy):
         x, y = x[self.d::self.dp], y[self.d::self.dp]
         model.eval()
         stage, group = self.stage, self.groups.get("pp")
+        if stage is not None and stage.chunks:
+            correct = self._evaluate_chunks(x, y)
+            model.train()
+            return self.base.mean(float(self._from_last(correct)))
         if stage is not None and stage.prev is not None:
             x = torch.empty(len(x), *self.boundary, device=self.device)
             dist.recv(x, src=stage.prev, group=group)
@@ -152,6 +167,22 @@ class MeshStrategy(PartitionedModelStrategy):
         else:
             correct = float((out.argmax(dim=1) == y).float().mean()) if len(y) else 0.0
         return self.base.mean(float(self._from_last(correct)))
+
+    def _evaluate_chunks(self, x, y) -> float:
+        """Interleaved: the evaluation batch goes round the ranks chunk by chunk (virtual stage v on rank v mod
+        pp); the accuracy on the rank of the last chunk, 0 elsewhere."""
+        stage, group = self.stage, self.groups["pp"]
+        ranks = dist.get_process_group_ranks(group)
+        last = self.pp * len(stage.chunks) - 1
+        out = x
+        for module, v in stage.chunks:
+            if v > 0:
+                out = torch.empty(len(x), *self.boundaries[v], device=self.device)
+                dist.recv(out, src=ranks[(v - 1) % self.pp], group=group)
+            out = module(out)
+            if v < last:
+                dist.send(out.contiguous(), dst=ranks[(v + 1) % self.pp], group=group)
+        return float((out.argmax(dim=1) == y).float().mean()) if stage.is_last and len(y) else 0.0
 
     def _from_last(self, value: float) -> torch.Tensor:
         """The last stage's value on every stage of this pipeline."""

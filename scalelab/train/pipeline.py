@@ -19,6 +19,11 @@ schedule (`pipeline.schedule`) orders each stage's work:
     torch-gpipe, torch-1f1b
             torch.distributed.pipelining's own ScheduleGPipe / Schedule1F1B on the same stage (its
             PipelineStage wraps this rank's module), for comparison with the hand-written ones: same gradients.
+    torch-interleaved
+            torch's ScheduleInterleaved1F1B (Megatron's interleaved schedule): the model is cut into p x 2
+            chunks (virtual stages) and rank r holds chunks r and r + p, so each micro-batch goes round the
+            ranks twice and the bubble shrinks by the number of chunks per rank. The micro-batches must be a
+            multiple of max(1, m // p) (torch's rounds), and the model must have units for 2p stages.
 
 With uniform stages, each stage idles for p-1 of the m+p-1 slots of a step: the bubble fraction
 (p-1)/(m+p-1), which shrinks as m grows. The loss is the mean of the micro-batch losses, so gradients, and the
@@ -39,6 +44,7 @@ each stage's idle fraction.
 """
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 
@@ -47,11 +53,27 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import SpecError
+from ..run.combinations import PIPELINE_CHUNKS
 
 SCHEDULES = ("gpipe", "1f1b")
-TORCH_SCHEDULES = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B"}
+TORCH_SCHEDULES = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
+                   "torch-interleaved": "ScheduleInterleaved1F1B"}
 """pipeline.schedule values run by torch.distributed.pipelining, and its class for each."""
+CHUNKS_PER_RANK = PIPELINE_CHUNKS
+"""The model chunks (virtual stages) each rank holds under a schedule; 1 unless named here (run/combinations.py
+holds it: the spec's checks need it too)."""
 FIELD = "pipeline.schedule"
+
+
+def chunks_per_rank(schedule: str) -> int:
+    """How many model chunks (virtual stages) each rank holds under `schedule`."""
+    return CHUNKS_PER_RANK.get(schedule, 1)
+
+
+def interleaved_rounds_fit(micro: int, stages: int) -> bool:
+    """Whether torch's interleaved 1F1B takes `micro` micro-batches on `stages` ranks: it runs them in
+    max(1, micro // stages) rounds of equal size."""
+    return micro % max(1, micro // stages) == 0
 
 
 def builtin_ops(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
@@ -234,13 +256,53 @@ def split_layers(layers: nn.Sequential, stages: int) -> list[nn.Sequential]:
     return [layers[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
+def hold_chunks(model: nn.Module, ranges: list[tuple[int, int]]) -> list[nn.Module]:
+    """The chunks of an interleaved rank: one copy of `model` per unit range [first, last) of `ranges`, each cut
+    by the model's keep_units (a module of its own, for torch's PipelineStage); then `model` itself keeps exactly
+    those chunks' parts, the same objects (shared, not copied) under the serial model's names, so the optimizer,
+    the checkpoints and the gathered state see one module holding this rank's parameters."""
+    parts = []
+    for first, last in ranges:
+        part = copy.deepcopy(model)
+        part.keep_units(first, last)
+        parts.append(part)
+    _adopt(model, parts)
+    return parts
+
+
+def _adopt(target: nn.Module, parts: list[nn.Module]) -> None:
+    """Make `target` hold what any of `parts` (cut copies of it) holds: a part's parameter, buffer or submodule
+    where one part has it; a container several parts keep some of (a Sequential, a ModuleList, an encoder) the
+    union of their children, in the serial model's order."""
+    for table in ("_parameters", "_buffers"):
+        own = getattr(target, table)
+        for name in list(own):
+            own[name] = next((getattr(p, table)[name] for p in parts if getattr(p, table).get(name) is not None),
+                             None)
+    keys = list(dict.fromkeys(k for p in parts for k in p._modules))
+    if keys and all(k.isdigit() for k in keys):
+        keys.sort(key=int)
+    modules: dict = {}
+    for key in keys:
+        present = [p._modules[key] for p in parts if p._modules.get(key) is not None]
+        if len(present) > 1 and target._modules.get(key) is not None:
+            _adopt(target._modules[key], present)
+            modules[key] = target._modules[key]
+        else:
+            modules[key] = present[0] if present else None
+    target._modules.clear()
+    target._modules.update(modules)
+
+
 class PipelineStage:
     """One rank's stage: runs a schedule's operations on micro-batches, timing its compute and measuring the bytes
     of activations it holds."""
 
-    def __init__(self, module: nn.Module, stage: int, stages: int, group=None, uniform: bool = True):
+    def __init__(self, module: nn.Module, stage: int, stages: int, group=None, uniform: bool = True,
+                 chunks: list | None = None):
         self.module, self.stage, self.stages, self.group = module, stage, stages, group
         self.uniform = uniform
+        self.chunks = chunks  # interleaved: [(module, virtual stage)] this rank holds (`module` holds them all)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(stages))
         self.prev = ranks[stage - 1] if stage > 0 else None
         self.next = ranks[stage + 1] if stage < stages - 1 else None
@@ -328,13 +390,21 @@ class PipelineStage:
         key = (schedule, m)
         if key not in self._torch:
             device = next(self.module.parameters()).device
-            stage = pipelining.PipelineStage(self.module, self.stage, self.stages, device, group=self.group)
-            run = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, m, loss_fn=loss_fn, scale_grads=True)
+            if chunks_per_rank(schedule) != len(self.chunks or [None]):
+                raise SpecError(FIELD, f"{schedule} runs {chunks_per_rank(schedule)} model chunk(s) per rank; this "
+                                       f"stage was built with {len(self.chunks or [None])}")
+            parts = self.chunks or [(self.module, self.stage)]
+            total = self.stages * len(parts)  # virtual stage v lives on rank v mod stages
+            stages = [pipelining.PipelineStage(module, v, total, device, group=self.group) for module, v in parts]
+            cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+            run = cls(stages if self.chunks else stages[0], m, loss_fn=loss_fn, scale_grads=True)
             timeline: list = []
-            self._torch[key] = (run, stage, timeline)
-            for op, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-                setattr(stage, name, self._timed(getattr(stage, name), op, timeline))
-        run, stage, timeline = self._torch[key]
+            self._torch[key] = (run, stages, timeline)
+            for stage, (_, v) in zip(stages, parts):
+                for op, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+                    setattr(stage, name, self._timed(getattr(stage, name), op, timeline,
+                                                     v if self.chunks else None))
+        run, _, timeline = self._torch[key]
         timeline.clear()
         losses: list = []
         self._t0 = time.perf_counter()
@@ -347,18 +417,20 @@ class PipelineStage:
                 run.step()
             wall = time.perf_counter() - self._t0
         in_flight = peak = 0
-        for op, *_ in timeline:
+        for op, *_ in timeline:  # interleaved: a micro-batch in each chunk counts once per chunk
             in_flight += 1 if op == "F" else -1
             peak = max(peak, in_flight)
         loss = sum(float(x) for x in losses) / m if self.is_last else float("nan")
-        return {"loss": loss, "timeline": list(timeline), "busy_s": sum(t1 - t0 for _, _, t0, t1 in timeline),
+        return {"loss": loss, "timeline": list(timeline), "busy_s": sum(e[3] - e[2] for e in timeline),
                 "wall_s": wall, "peak_in_flight": peak, "activation_peak_bytes": live.peak}
 
-    def _timed(self, method, op: str, timeline: list):
+    def _timed(self, method, op: str, timeline: list, virtual: int | None = None):
+        """`method` timed into the timeline as (op, micro, t0, t1), with the virtual stage last when interleaved."""
         def timed(i, *args, **kwargs):
             t0 = time.perf_counter()
             out = method(i, *args, **kwargs)
-            timeline.append((op, i, t0 - self._t0, time.perf_counter() - self._t0))
+            entry = (op, i, t0 - self._t0, time.perf_counter() - self._t0)
+            timeline.append(entry if virtual is None else (*entry, virtual))
             return out
         return timed
 
@@ -371,7 +443,9 @@ def bubble_formula(stages: int, micro: int) -> float:
 def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
     """Replay a step's schedule with the stages' measured compute times, every stage on a core of its own:
     forward i on stage s waits for forward i on s-1, backward i for backward i on s+1. Returns the step's span,
-    each stage's busy time, the bubble fraction 1 - mean busy / span, and when each operation starts.
+    each stage's busy time, the bubble fraction 1 - mean busy / span, and when each operation starts. Interleaved
+    timelines name each operation's virtual stage fifth, (op, micro, t0, t1, virtual): the dependencies are then
+    between virtual stages (virtual stage v runs on rank v mod ranks), the busy time and the clock per rank.
 
     typical: each operation takes its stage's fastest forward (or backward) time, what it costs with a core to
     itself: load from other processes only ever adds to an operation, and counted as schedule it made two equal
@@ -381,6 +455,10 @@ def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
     stages = len(timelines)
     if typical:
         timelines = [typical_timeline(t) for t in timelines]
+
+    def virtual(s: int, entry) -> int:
+        return entry[4] if len(entry) > 4 else s
+    last = max((virtual(s, e) for s, t in enumerate(timelines) for e in t), default=stages - 1)
     starts: list[list[float]] = [[] for _ in range(stages)]
     end: dict[tuple[str, int, int], float] = {}
     clock, busy = [0.0] * stages, [0.0] * stages
@@ -391,13 +469,15 @@ def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
         for s in range(stages):
             if position[s] == len(timelines[s]):
                 continue
-            op, i, t0, t1 = timelines[s][position[s]]
-            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < stages - 1 else None
+            entry = timelines[s][position[s]]
+            op, i, t0, t1 = entry[:4]
+            v = virtual(s, entry)
+            dep = ("F", v - 1, i) if op == "F" and v > 0 else ("B", v + 1, i) if op == "B" and v < last else None
             if dep is not None and dep not in end:
                 continue  # its input has not been produced yet in the replay: another stage goes first
             start = max(clock[s], end.get(dep, 0.0))
             starts[s].append(start)
-            clock[s] = end[(op, s, i)] = start + (t1 - t0)
+            clock[s] = end[(op, v, i)] = start + (t1 - t0)
             busy[s] += t1 - t0
             position[s] += 1
             remaining -= 1
@@ -410,16 +490,18 @@ def replay_bubble(timelines: list[list], typical: bool = True) -> dict:
 
 
 def typical_timeline(timeline: list) -> list:
-    """The timeline with every forward (backward) lasting the fastest forward (backward) of this stage."""
+    """The timeline with every forward (backward) lasting the fastest forward (backward) of this stage (an
+    interleaved timeline's virtual stages kept)."""
     fastest = {}
     for kind in ("F", "B"):
-        fastest[kind] = min((t1 - t0 for op, _, t0, t1 in timeline if op == kind), default=0.0)
-    return [(op, i, 0.0, fastest[op]) for op, i, _, _ in timeline]
+        fastest[kind] = min((e[3] - e[2] for e in timeline if e[0] == kind), default=0.0)
+    return [(e[0], e[1], 0.0, fastest[e[0]], *e[4:]) for e in timeline]
 
 
 def record_pipeline(strategy, spec, info) -> None:
     """Have a pipelined engine strategy (train/mesh.py) write a `pipeline` event after each of its steps into this
-    rank's event file: schedule, micro, stage, stages, the operations run in order (`ops`, e.g. "F0 F1 B0 ..."),
+    rank's event file: schedule, micro, stage, stages, the operations run in order (`ops`, e.g. "F0 F1 B0 ...";
+    interleaved, each with its virtual stage: "F0/0 F1/0 F0/2 ..."),
     activation_peak_bytes, peak_in_flight, busy_s, wall_s, the step's bubble replayed from every stage's timeline
     (gathered over the pipeline's group: every stage reports the same value) and each stage's idle fraction of
     that replayed step (`stage_idle`, by stage; their mean is the bubble)."""
@@ -446,7 +528,7 @@ def record_pipeline(strategy, spec, info) -> None:
             writer.append(EventWriter(spec.output_dir, info.rank))
         writer[0].emit("pipeline", schedule=spec.pipeline.schedule, micro=spec.pipeline.micro_batches,
                        stage=stage.stage, stages=stage.stages,
-                       ops=" ".join(f"{op}{i}" for op, i, _, _ in r["timeline"]),
+                       ops=" ".join(f"{e[0]}{e[1]}" + (f"/{e[4]}" if len(e) > 4 else "") for e in r["timeline"]),
                        activation_peak_bytes=r["activation_peak_bytes"], peak_in_flight=r["peak_in_flight"],
                        busy_s=r["busy_s"], wall_s=r["wall_s"], bubble=bubble, stage_idle=idle)
         return loss
