@@ -98,12 +98,14 @@ def engine_history_is_the_run(r):
 
 @check(points=0.5, needs_run=True)
 def chain_is_the_engine_run(r):
-    """The chained run's events show at least two launches, no more than the recorded attempts, and the last one
-    reaching the final step."""
+    """The chained run's events show a launch for every attempt that started training (one cut off before its
+    first step, a slow start under load, may leave none), no more than the recorded attempts, and the last one
+    reaching the grader's slice_steps."""
     sl, steps = r["slices"], r["lab06_params"]["slice_steps"]
     found = evidence(r, sl["run_dir"], total_steps="slice_steps")
-    assert 2 <= found["launches"] <= len(sl["attempts"]), f"{found['launches']} launches in the events, " \
-                                                          f"{len(sl['attempts'])} attempts recorded"
+    started = sum(a["start_step"] is not None for a in sl["attempts"])
+    assert max(1, started) <= found["launches"] <= len(sl["attempts"]), \
+        f"{found['launches']} launches in the events, {started} of {len(sl['attempts'])} recorded attempts started"
     assert found["steps"] == steps, f"the chained run's events end at step {found['steps']}, not {steps}"
 
 
