@@ -1,7 +1,7 @@
 """Lab 07 hidden checks: the DDP and FSDP runs against their event files; answers recomputed from other records.
 
-The four training runs (DDP, two FSDP modes, the dp x tp mesh) are engine runs with event files: their world
-size, strategy and loss curves are held against them. The pipeline schedule runs of section 4b (the student's GPipe
+The training runs (DDP, two FSDP modes, section 2b's gpt under four layouts, the dp x tp mesh) are engine runs
+with event files: their world size, strategy and loss curves are held against them. The pipeline schedule runs of section 4b (the student's GPipe
 and 1F1B, torch's two) are engine runs too: the schedule each ran, the submitted my_pipeline.py, the activation
 bytes per stage and the bubble come from their `pipeline` events. The SPMD experiments (tensor parallel, pipeline,
 resharding) write no event files and are held against each other. Every check needs a real run (`needs_run`).
@@ -45,6 +45,29 @@ def grad_op_gathers_once(r):
     full, grad_op = r["fsdp_runs"]["fsdp_full"], r["fsdp_runs"]["fsdp_grad_op"]
     assert grad_op["comm"]["all_gather"]["bytes"] * 2 == full["comm"]["all_gather"]["bytes"]
     assert grad_op["memory"]["state_bytes"] == full["memory"]["state_bytes"]
+
+
+@check(points=0.5, needs_run=True)
+def gpt_layouts_train_the_same_model(r):
+    """Section 2b: the gpt's DDP, FSDP, tensor- and pipeline-parallel runs ran as recorded (strategy, the grader's
+    gpt_steps and ranks, final loss: their event files); rank 0's losses agree where they are the same batch's (DDP
+    and FSDP: its own half; TP and PP: the whole batch, DDP's two halves averaged), and FSDP's rank 0 holds 1/N of
+    DDP's state."""
+    runs, workers = r["gpt_runs"], r["lab07_params"]["workers"]
+    assert {"ddp", "fsdp", "tp", "pp"} <= set(runs), f"layouts recorded: {sorted(runs)}"
+    found = {}
+    for name, row in runs.items():
+        found[name] = evidence(r, row["run_dir"], total_steps="gpt_steps", world_size="workers")
+        assert found[name]["strategy"] == row["strategy"], \
+            f"{name}: the events show strategy {found[name]['strategy']!r}, not {row['strategy']!r}"
+        close(found[name]["final_loss"], row["final_loss"], rel=1e-6, what=f"{name} final loss")
+    same = lambda a, b, tol: len(a) == len(b) > 0 and all(abs(x - y) <= tol for x, y in zip(a, b))  # noqa: E731
+    assert same(found["fsdp"]["loss_curve"], found["ddp"]["loss_curve"], 1e-4), "FSDP's losses are not DDP's"
+    assert same(found["tp"]["loss_curve"], found["pp"]["loss_curve"], 1e-3), "TP's and PP's losses differ"
+    assert same(found["tp"]["loss_curve"], runs["ddp"]["loss_curve"], 1e-3), \
+        "TP's whole-batch losses are not DDP's ranks' averaged"
+    ratio = runs["fsdp"]["state_bytes"] / runs["ddp"]["state_bytes"]
+    assert math.isclose(ratio, 1 / workers, rel_tol=0.02), f"FSDP's rank 0 holds {ratio:.3f} of DDP's state"
 
 
 @check(points=2, needs_run=True)
