@@ -101,3 +101,19 @@ def test_the_table_parser_reads_a_further_column(tmp_path):
     assert parameter_table(path, column="one GPU") == {"workers": (2, 2), "use_slurm": (False, None),
                                                        "steps": (30, 60), "every": (5, 10)}
     assert parameter_table(tmp_path / "missing.ipynb") == {}
+
+
+def test_lab01_quotes_the_gpu_checks_reference_results():
+    """Lab 01's transformer section and its GPU column quote bench/gpu/<device>/gpt.json (the GPU check's reference
+    results) with the device and the date: a new reference run must be quoted anew, not left stale."""
+    from scalelab.experiments.single_device import gpt_reference
+    refs = [r for r in gpt_reference(ROOT / "bench" / "gpu") if r["size"]["preset"] == "100m"]
+    assert refs, "no 100m reference results under bench/gpu"
+    nb = json.loads((ROOT / "labs" / "01_single_device" / "lab.ipynb").read_text())
+    text = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    quoted = [r for r in refs if r["device_name"] in text and r["date"] in text]
+    assert quoted, f"lab 01 quotes none of {[(r['device_name'], r['date']) for r in refs]}"
+    for ref in quoted:
+        f32, b16, b16c = (ref["modes"][m]["tokens_per_s"] for m in ("fp32", "bf16", "bf16-compile"))
+        for figure in (f"{f32:,.0f}", f"{b16:,.0f}", f"{b16c:,.0f}", f"{b16 / f32:.1f}×", f"{b16c / b16:.2f}×"):
+            assert figure in text, f"lab 01 does not quote {figure} of {ref['file']}"

@@ -272,3 +272,98 @@ def ladder(spec, rungs: list[tuple[str, dict]], steps: int = 20, read_ms: float 
         rows.append({"name": name, "samples_per_s": sps, "speedup": sps / base, "gain": sps / prev,
                      "changes": {**changed, **own}})
     return rows
+
+
+GPT_RUNGS = (("fp32, AdamW", {}), ("bf16 autocast", {"precision": "bf16"}), ("fused AdamW", {"fused": True}),
+             ("torch.compile", {"compile": True}))
+"""Section 5b's ladder on the engine's gpt, one change per rung on top of the ones before."""
+
+
+def gpt_ladder(preset: str = "tiny", seq_len: int = 64, batch: int = 8, steps: int = 3, warmup: int = 1,
+               device: str = "auto", compile_backend: str = "inductor", timer: str | None = None,
+               seed: int = 0) -> list[dict]:
+    """The engine's gpt (byte-level transformer on the Python sources, data/pysrc.py) trained on one device as
+    GPT_RUNGS pile up: fp32 with the for-each AdamW, bf16 autocast, the fused AdamW (one kernel for the whole
+    update), torch.compile of every block (left out when `compile_backend` is ""). Each rung starts from the same
+    weights and batches; `timer` ("module:function", the student's) times `steps` steps after `warmup`.
+
+    Rows: name, precision, fused, compile, tokens_per_s, step_ms, speedup (against the first rung), gain (against
+    the previous), mfu (model FLOPs per token x tokens/s over the device's peak; None on a CPU), compile_s (the
+    first compiled step), loss_first, loss_last; a rung that could not run (no compiler, no fused AdamW for this
+    device) has `error` and no numbers, and the next rung builds on the one before it."""
+    from ..data import pysrc
+    from ..run.field_groups import ModelSpec
+    from ..train.gpt import build_gpt, device_peak
+    import torch.nn.functional as F
+    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    total = warmup + steps + 1
+    x, y = pysrc.train_samples(batch * total, seq_len, seed)
+    x, y = x.to(dev), y.to(dev)
+    rows, setting = [], {"precision": "fp32", "fused": False, "compile": False}
+    for name, change in GPT_RUNGS:
+        if change.get("compile") and not compile_backend:
+            continue
+        trying = {**setting, **change}
+        row = {"name": name, **trying, "compile_backend": compile_backend if trying["compile"] else None}
+        try:
+            model = build_gpt(ModelSpec(name="gpt", preset=preset), seq_len, seed).to(dev)
+            if trying["compile"]:
+                for block in model.blocks:
+                    block.compile(backend=compile_backend)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=trying["fused"] or None)
+            autocast = autocast_for(trying["precision"], dev)
+            losses, at = [], [0]
+
+            def one_step():
+                i = at[0] % total
+                at[0] += 1
+                xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+                with autocast:
+                    loss = F.cross_entropy(model(xb).float(), yb)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+
+            warm = warmup
+            if trying["compile"]:
+                start = time.perf_counter()
+                one_step()  # the first compiled step compiles: one of the warm-up steps, so every rung trains alike
+                sync(dev)
+                row["compile_s"] = time.perf_counter() - start
+                warm = max(0, warmup - 1)
+            seconds = _timed(timer, one_step, steps, warm, lambda: sync(dev))
+        except Exception as e:  # noqa: BLE001 - a rung that cannot run here is a result, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            rows.append(row)
+            continue
+        setting = trying
+        peak, _ = device_peak(dev, trying["precision"])
+        tokens_per_s = batch * seq_len / seconds
+        row.update(tokens_per_s=tokens_per_s, step_ms=1000 * seconds, device=str(dev),
+                   mfu=model.flops_per_token * tokens_per_s / peak if peak else None,
+                   loss_first=float(losses[0]), loss_last=float(losses[-1]))
+        done = [r for r in rows if "error" not in r]
+        row["speedup"] = tokens_per_s / done[0]["tokens_per_s"] if done else 1.0
+        row["gain"] = tokens_per_s / done[-1]["tokens_per_s"] if done else 1.0
+        rows.append(row)
+    return rows
+
+
+def gpt_reference(root: str | Path | None = None) -> list[dict]:
+    """The GPU check's reference results for the gpt (bench/gpu/<device>/gpt.json of the course's checkout, written
+    by tools/gpu_check.sh), one row per device: device_name, date, torch, size, and per mode (fp32, bf16,
+    bf16-compile) tokens_per_s and mfu; [] where the checkout's bench/ folder is not on this machine."""
+    from ..paths import checkout_root
+    folder = Path(root) if root else checkout_root() / "bench" / "gpu"
+    out = []
+    for path in sorted(folder.glob("*/gpt.json")):
+        try:
+            report = json.loads(path.read_text())
+            out.append({"device_name": report.get("device_name", report.get("device")), "date": report["date"][:10],
+                        "torch": report.get("torch"), "size": report.get("size"), "file": str(path),
+                        "modes": {r["mode"]: {"tokens_per_s": r["tokens_per_s"], "mfu": r.get("mfu")}
+                                  for r in report["results"]}})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
