@@ -77,7 +77,7 @@ def test_reference_grades_full_marks_and_student_copy_does_not(lab, lab_gradings
 STUDENT_COPY_SHARE = 20.0
 """The most an untouched student copy may score, in percent (issue 38 item 5): the points are for the student's own
 work, the code exercises and the checks of the student's own runs, not for cells that ran as released."""
-NOT_YET_REWEIGHTED = {"08_resilience": "lab 08's checks are another part of issue 38 (its copy scored 44 %)"}
+NOT_YET_REWEIGHTED: dict[str, str] = {}  # lab: why its copy may still score more (none left: lab 08 reweighted)
 
 
 @pytest.mark.slow

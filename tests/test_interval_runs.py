@@ -1,10 +1,14 @@
 """Lab 08's interval runs and the student's preemption handler, without a notebook: Daly's prediction and its
-optimum, a faulty run's log (plausible, every second of it accounted), the sweep calling the student's accounting
-(and stopping at an unsolved one), and the engine's Preemption taking a handler class from SCALELAB_PREEMPT_HANDLER."""
+optimum, a faulty run's log (plausible, every second of it accounted), a run of fixed time (what is unsaved at its
+end is lost), the sweep calling the student's accounting with the same fault times for every interval of a trial
+(and stopping at an unsolved one), and the engine's Preemption taking a handler class from
+SCALELAB_PREEMPT_HANDLER."""
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import random
 import signal
 import sys
 
@@ -24,13 +28,11 @@ def account(events):
             unsaved += e["step_s"]
         elif e["type"] == "checkpoint":
             useful, unsaved, checkpoint = useful + unsaved, 0.0, checkpoint + e["blocked_s"]
-        elif e["type"] == "fault":
+        elif e["type"] in ("fault", "end"):
             lost, unsaved = lost + unsaved, 0.0
-            fault_t = e["t"] if fault_t is None else fault_t
+            fault_t = e["t"] if e["type"] == "fault" and fault_t is None else fault_t
         elif e["type"] == "start" and fault_t is not None:
             restart, fault_t = restart + e["t"] - fault_t, None
-        elif e["type"] == "end":
-            useful, unsaved = useful + unsaved, 0.0
     return {"wall_s": events[-1]["t"] - events[0]["t"], "useful_s": useful, "lost_s": lost,
             "checkpoint_s": checkpoint, "restart_s": restart}
 
@@ -59,8 +61,8 @@ def test_a_faulty_run_logs_its_faults_and_restarts_and_every_second_is_accounted
         elif e["type"] == "step":
             assert e["step"] == step + 1
             step = e["step"]
-    assert step == 150
-    parts = account(events)
+    assert step == 150 == events[-1]["step"] and events[-2] == {**events[-2], "type": "checkpoint", "step": 150}
+    parts = account(events)  # a run of fixed work: its last step saved by a final checkpoint
     spent = parts["useful_s"] + parts["lost_s"] + parts["checkpoint_s"] + parts["restart_s"]
     assert parts["lost_s"] > 0 and 0.7 * parts["wall_s"] < spent <= parts["wall_s"] * 1.001
     assert parts["useful_s"] == pytest.approx(sum(e["step_s"] for e in events if e["type"] == "step")
@@ -76,22 +78,43 @@ def test_without_faults_a_run_checkpoints_once_per_interval_of_work(tmp_path):
     for e in events:  # a checkpoint once the work since the last one reached the interval, not a step later
         if e["type"] == "step":
             work, last = work + e["step_s"], e["step_s"]
-        elif e["type"] == "checkpoint":
+        elif e["type"] == "checkpoint" and e["step"] < 40:  # the last: the final save
             assert work >= 0.02 > work - last
             work = 0.0
     assert account(events)["lost_s"] == 0
 
 
+def test_a_run_of_fixed_time_loses_what_is_unsaved_when_its_time_is_up(tmp_path):
+    run = ir.faulty_run(tmp_path / "run", 0.1, window_s=0.3, mtbf_s=1e9, restart_s=0.0, step_s=0.004)
+    events = ir.read_log(run["log"])
+    steps = [e for e in events if e["type"] == "step"]
+    assert events[-1]["type"] == "end" and events[-1]["step"] == steps[-1]["step"] and 0.3 <= run["wall_s"] < 0.5
+    saved = max(e["step"] for e in events if e["type"] == "checkpoint")
+    assert saved < steps[-1]["step"]  # the steps after the last checkpoint: not saved when the time was up
+    parts = account(events)
+    assert parts["lost_s"] == pytest.approx(sum(e["step_s"] for e in steps if e["step"] > saved))
+    assert parts["useful_s"] == pytest.approx(sum(e["step_s"] for e in steps if e["step"] <= saved))
+
+
 def test_the_sweep_accounts_each_run_with_the_students_function_and_stops_at_an_unsolved_one(tmp_path, monkeypatch):
-    found = ir.sweep(tmp_path / "a", [0.02, 0.1], account, mtbf_s=0.3, work_s=0.3, say=None)
+    found = ir.sweep(tmp_path / "a", [0.02, 0.1], account, mtbf_s=0.15, window_s=0.4, trials=2, say=None)
     assert [r["interval_s"] for r in found["rows"]] == [0.02, 0.1] and found["error"] is None
     for row in found["rows"]:
-        parts = account(ir.read_log(f"{row['runs'][0]}/faults.jsonl"))
-        assert row["fraction"] == pytest.approx(parts["useful_s"] / parts["wall_s"])
+        parts = [account(ir.read_log(f"{run}/faults.jsonl")) for run in row["runs"]]
+        assert len(parts) == 2 and row["fractions"] == pytest.approx([p["useful_s"] / p["wall_s"] for p in parts])
+        assert row["fraction"] == pytest.approx(sum(p["useful_s"] for p in parts) / sum(p["wall_s"] for p in parts))
+    for k in range(2):  # common random numbers: trial k struck every interval at seed k's times on its clock
+        rng = random.Random(k)
+        drawn = list(itertools.accumulate(rng.expovariate(1 / 0.15) for _ in range(100)))
+        for row in found["rows"]:
+            log = ir.read_log(f"{row['runs'][k]}/faults.jsonl")
+            seen = [e["t"] - log[0]["t"] for e in log if e["type"] == "fault"]
+            assert seen and all(d - 0.02 <= t <= d + 0.3 for t, d in zip(seen, drawn)), (seen, drawn[:len(seen)])
     (tmp_path / "my_unsolved.py").write_text("def useful_work(events):\n    raise NotImplementedError('exercise')\n")
     monkeypatch.chdir(tmp_path)
     said = []
-    found = ir.sweep(tmp_path / "b", [0.02, 0.1], "my_unsolved:useful_work", mtbf_s=0.3, work_s=0.3, say=said.append)
+    found = ir.sweep(tmp_path / "b", [0.02, 0.1], "my_unsolved:useful_work", mtbf_s=0.3, window_s=0.3,
+                     say=said.append)
     assert found["error"].startswith("not implemented yet") and found["best_interval_s"] is None
     assert len(found["rows"]) == 1 and found["rows"][0]["fraction"] is None and "not implemented" in said[-1]
 

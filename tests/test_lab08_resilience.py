@@ -37,11 +37,11 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert r["preempt"]["status"] == "preempted" and r["max_param_diff"] == 0.0
     assert r["preempt"]["preempted"] == {"0": r["preempt"]["step"], "1": r["preempt"]["step"]}  # the student's vote
     assert "my_preempt.py" in r["preempt"]["code"]  # the ranks imported the student's handler
-    s = r["interval_runs"]  # real runs with Poisson faults: Young's interval near their optimum, as Daly predicts
-    near = min(s["rows"], key=lambda row: abs(row["interval_s"] / s["young_s"] - 1))
-    best = max(row["fraction"] for row in s["rows"])
-    assert near["fraction"] >= best - 0.15 and abs(near["fraction"] - near["predicted"]) <= 0.15
-    assert s["rows"][0]["fraction"] < near["fraction"]  # checkpointing 8 x too often costs more than it saves
+    s = r["interval_runs"]  # real runs, the same Poisson faults in every interval: the best within 2 x Young's
+    assert 0.5 - 1e-9 <= s["best_interval_s"] / s["young_s"] <= 2 + 1e-9, (s["best_interval_s"], s["young_s"])
+    assert len({len(row["runs"]) for row in s["rows"]}) == 1 and len(s["rows"][0]["runs"]) == s["trials"] >= 4
+    best = next(row for row in s["rows"] if row["interval_s"] == s["best_interval_s"])
+    assert abs(best["fraction"] - best["predicted"]) <= 0.25  # as Daly predicts for the runs' own C and R
     assert r["elastic"]["identical"] is True and r["elastic"]["start_steps"] == [0, 10]
     assert r["forward"]["world_size"] == 1 and r["forward"]["lr_factor"] == 0.5
     assert r["recovery_speedup"] > 5  # new processes vs re-forming a group in place
@@ -73,6 +73,8 @@ def test_wrong_code_loses_the_points_of_its_exercises(lab_gradings):
      "useful_work_is_accounted_from_the_logs"),
     (lambda r: r["interval_runs"].update(rows=r["interval_runs"]["rows"][1:-1]), "measured_optimum_is_near_young"),
     (lambda r: r["lab08_params"].update(sweep_mtbf_s=r["lab08_params"]["sweep_mtbf_s"] * 100),
+     "measured_optimum_is_near_young"),
+    (lambda r: r["interval_runs"]["rows"][0].update(runs=r["interval_runs"]["rows"][0]["runs"][:1]),
      "measured_optimum_is_near_young"),
     (lambda r: r["preempt"]["preempted"].update({"1": r["preempt"]["step"] + 1}), "preemption_saved_and_left_cleanly"),
     (lambda r: r["preempt"].update(run_dir=r["elastic"]["run_dir"]), "handler_stopped_every_rank_after_one_step"),

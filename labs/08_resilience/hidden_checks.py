@@ -4,7 +4,8 @@ The reference, preempted, elastic and forward-recovery runs are held against the
 their cost, launches and resume steps, steps reached); the preempted run's per-rank events show where each rank
 stopped and that it ran the submitted my_preempt.py; the interval runs' logs (faults.jsonl) are accounted again
 here and hold the measured optimum against Young's and Daly's. The cluster sections (use_slurm, use_nodes) count
-only where they ran: the grader's sandbox has no cluster.
+only where they ran: the grader's sandbox has no cluster. The points sit with the exercises and the student's own
+runs: the checks that any run of the cells passes are worth little (an untouched student copy earns ~15 %).
 """
 import hashlib
 import json
@@ -38,21 +39,22 @@ def _accounted(events: list[dict]) -> dict:
             unsaved += e["step_s"]
         elif e["type"] == "checkpoint":
             useful, unsaved, checkpoint = useful + unsaved, 0.0, checkpoint + e["blocked_s"]
-        elif e["type"] == "fault":
+        elif e["type"] in ("fault", "end"):  # a fault, or the time limit: what no checkpoint saved is lost
             lost, unsaved = lost + unsaved, 0.0
-            fault_t = e["t"] if fault_t is None else fault_t
+            fault_t = e["t"] if e["type"] == "fault" and fault_t is None else fault_t
         elif e["type"] == "start" and fault_t is not None:
             restart, fault_t = restart + e["t"] - fault_t, None
-        elif e["type"] == "end":
-            useful, unsaved = useful + unsaved, 0.0
     return {"wall_s": events[-1]["t"] - events[0]["t"], "useful_s": useful, "lost_s": lost,
             "checkpoint_s": checkpoint, "restart_s": restart}
 
 
-def _plausible(events: list[dict], total_steps: int, path: str) -> None:
-    """A log that a faulty run can have written: steps one after another from each start, to the end."""
-    assert events[0]["type"] == "start" and events[-1] == {**events[-1], "type": "end", "total_steps": total_steps}, \
-        f"{path}: does not run from a start to the end of {total_steps} steps"
+def _plausible(events: list[dict], window_s: float, path: str) -> None:
+    """A log that a faulty run can have written: steps one after another from each start, to the end of its
+    window of `window_s` seconds."""
+    assert events[0]["type"] == "start" and events[-1].get("type") == "end", \
+        f"{path}: does not run from a start to an end"
+    assert events[-1]["t"] - events[0]["t"] >= 0.9 * window_s, \
+        f"{path}: ends {events[-1]['t'] - events[0]['t']:.3f} s after its start, before its {window_s} s window"
     step, ts = 0, [e["t"] for e in events]
     assert ts == sorted(ts), f"{path}: time runs backwards"
     for e in events:
@@ -61,7 +63,7 @@ def _plausible(events: list[dict], total_steps: int, path: str) -> None:
         elif e["type"] == "step":
             assert e["step"] == step + 1 and 0 <= e["step_s"] < 60, f"{path}: step {e['step']} after step {step}"
             step = e["step"]
-    assert step == total_steps, f"{path}: ends after step {step} of {total_steps}"
+    assert events[-1]["step"] == step, f"{path}: ends after step {step}, its end says {events[-1]['step']}"
 
 
 def _interval_rows(r):
@@ -71,16 +73,16 @@ def _interval_rows(r):
     for row in s["rows"]:
         logs = [_read_jsonl(r, f"{run}/faults.jsonl") for run in row["runs"]]
         for run, events in zip(row["runs"], logs):
-            _plausible(events, s["total_steps"], run)
+            _plausible(events, s["window_s"], run)
         out.append((row, [_accounted(e) for e in logs], logs))
     return out
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def useful_work_is_accounted_from_the_logs(r):
     """Exercise 3: each interval's useful-work fraction is what the grader's own accounting of the runs' logs gives
-    (useful work: the steps a checkpoint or the end kept; the steps since the last checkpoint are lost at a fault),
-    to 1e-6."""
+    (useful work: the steps a checkpoint saved; the steps since the last checkpoint are lost at a fault and at the
+    end), to 1e-6."""
     rows = _interval_rows(r)
     assert any(e["type"] == "fault" for _, _, logs in rows for log in logs for e in log), "no fault struck the runs"
     for row, parts, logs in rows:
@@ -90,39 +92,47 @@ def useful_work_is_accounted_from_the_logs(r):
             f"{row['fraction']!r}, the runs' logs {again:.4f} (lost work {sum(p['lost_s'] for p in parts):.3f} s)"
 
 
-@check(points=2, needs_run=True)
+FACTOR = 2.0
+"""How far (either way) the sweep's best interval may lie from Young's: the lab's stated factor."""
+
+
+@check(points=4, needs_run=True)
 def measured_optimum_is_near_young(r):
-    """Young's interval sqrt(2 C M) (C from the calibration run's log, M the parameter sweep_mtbf_s) is near the
-    optimum of the runs (accounted by the grader from their logs): the sweep reaches Young's / 4 and x 4, the run
-    nearest Young's interval (within a factor 1.5) kept within 0.15 of the most useful-work fraction any interval
-    measured, and within 0.15 of Daly's prediction for the runs' own C and R. (Which interval comes out on top is
-    not asked: with a second of work per run, a long interval struck by two faults instead of five can win by luck;
-    a CI run on a loaded machine saw it at 5 x Young's.)"""
+    """The runs' own optimum (accounted by the grader from their logs) is within a factor 2 of Young's interval
+    sqrt(2 C M) (C: the median checkpoint of the calibration run's log, M: the parameter sweep_mtbf_s): the sweep
+    reaches beyond Young's / 2 and x 2 on both sides (so a best outside the factor could show), every interval ran
+    the same trials, and the interval of the most useful work (its trials' useful seconds over their wall seconds)
+    lies between Young's / 2 and x 2. At the interval nearest Young's the runs kept within 0.25 of Daly's predicted
+    fraction for their own C and R (a 1.5 s window holds ~8 faults: their luck moves a fraction by 0.1 or more)."""
     s, m = r["interval_runs"], r["lab08_params"]["sweep_mtbf_s"]
-    ckpt_s = costs(_read_jsonl(r, s["calibration"]))["ckpt_s"]
+    ckpt_s = costs(_read_jsonl(r, s["calibration"]))["ckpt_median_s"]
     assert ckpt_s > 0, "the calibration run's log shows no checkpoint"
     young = math.sqrt(2 * ckpt_s * m)
     rows = _interval_rows(r)
     taus = sorted(row["interval_s"] for row, _, _ in rows)
-    assert taus[0] <= young / 4 and taus[-1] >= 4 * young, \
-        f"the sweep spans {taus[0]:.3g}-{taus[-1]:.3g} s: it must reach Young's {young:.3g} s / 4 and x 4"
+    assert taus[0] < young / FACTOR and taus[-1] > FACTOR * young, \
+        f"the sweep spans {taus[0]:.3g}-{taus[-1]:.3g} s: it must reach beyond Young's {young:.3g} s / {FACTOR:g} " \
+        f"and x {FACTOR:g}"
+    trials = {len(parts) for _, parts, _ in rows}
+    assert len(trials) == 1 and trials.pop() >= r["lab08_params"].get("sweep_trials", 1), \
+        f"the intervals ran {sorted(len(p) for _, p, _ in rows)} trials: the same number for every interval"
     measured = {row["interval_s"]: sum(p["useful_s"] for p in parts) / sum(p["wall_s"] for p in parts)
                 for row, parts, _ in rows}
+    best = max(measured, key=measured.get)
+    assert young / FACTOR * (1 - 1e-9) <= best <= FACTOR * young * (1 + 1e-9), \
+        f"the most useful work ({measured[best]:.3f}) came at {best:.3g} s = {best / young:.2g} x Young's " \
+        f"{young:.3g} s: not within a factor {FACTOR:g} " \
+        f"({', '.join(f'{t:.3g} s: {f:.3f}' for t, f in measured.items())})"
     near = min(measured, key=lambda tau: abs(math.log(tau / young)))
-    assert young / 1.5 <= near <= 1.5 * young, f"no interval of the sweep within 1.5 x of Young's {young:.3g} s"
-    best = max(measured.values())
-    assert measured[near] >= best - 0.15, \
-        f"at Young's interval ({near:.3g} s) the runs kept {measured[near]:.3f} of their time useful, the best " \
-        f"interval {best:.3f}: Young's interval is not near the optimum of these runs"
     row, _, logs = next(x for x in rows if x[0]["interval_s"] == near)
     c = [costs(log) for log in logs]
     predicted = predicted_fraction(near, sum(x["ckpt_s"] for x in c) / len(c),
                                    sum(x["restart_s"] for x in c) / len(c), m)
-    assert abs(measured[near] - predicted) <= 0.15, \
+    assert abs(measured[near] - predicted) <= 0.25, \
         f"at {near:.3g} s the runs kept {measured[near]:.3f} of their time useful, Daly predicts {predicted:.3f}"
 
 
-@check(points=3, needs_run=True)
+@check(points=5, needs_run=True)
 def handler_stopped_every_rank_after_one_step(r):
     """Exercise 4: the preempted run's own events: it ran the submitted my_preempt.py, every rank stopped after the
     same step (rank 1 on its SIGTERM, the others through the vote), a checkpoint of that step is on record, and the
@@ -157,7 +167,7 @@ def handler_stopped_every_rank_after_one_step(r):
     assert again and again[0]["start_step"] == step, f"the relaunch did not resume from step {step}"
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def checkpoint_cost_is_the_runs(r):
     """ckpt_s is the reference run's blocked time per checkpoint, as its events show."""
     found = evidence(r, r["reference_run_dir"])
@@ -176,7 +186,7 @@ def preempted_run_is_the_engine_run(r):
     assert found["steps"] == r["lab08_params"]["steps"] and found["loss_curve"] == p["resumed_losses"]
 
 
-@check(points=2, needs_run=True)
+@check(points=0.5, needs_run=True)
 def recoveries_are_the_engine_runs(r):
     """The elastic run's events show the restart from the recorded step; the forward run reached the last step."""
     e, f, steps = r["elastic"], r["forward"], r["lab08_params"]["steps"]
@@ -189,14 +199,14 @@ def recoveries_are_the_engine_runs(r):
     close(found["final_loss"], f["final_loss"], rel=1e-9, what="forward final loss")
 
 
-@check(points=1, needs_run=True)
+@check(points=0.5, needs_run=True)
 def fault_runs_named_the_right_ranks(r):
     """The crash and hang records agree with the fault the runs injected, and the hang's errors came from rank 0."""
     assert r["crash"]["fault_rank"] == 1 and r["hang"]["fault_rank"] == 1
     assert set(r["hang"]["errors"]) == {"0"}, f"errors by rank: {r['hang']['errors']}"
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def multilevel_run_is_the_engine_run(r):
     """The multilevel run's events show two launches, the second from the recorded step, to its last step."""
     m = r["multilevel"]
@@ -206,7 +216,7 @@ def multilevel_run_is_the_engine_run(r):
     assert found["steps"] == r["lab08_params"]["steps"] + 2 * r["lab08_params"]["every"]
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def slurm_job_is_the_engine_run(r):
     """With use_slurm: the job's events show two launches, the second from the preempted step, to the last step."""
     if not r["lab08_params"].get("use_slurm", False):
@@ -218,7 +228,7 @@ def slurm_job_is_the_engine_run(r):
     assert found["steps"] == r["lab08_params"]["steps"] and found["world_size"] == r["lab08_params"]["workers"]
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def node_loss_run_is_the_engine_run(r):
     """With use_nodes: the run's events show three launches, the last from the recorded shared-tier step, to the
     last step, with the lab's world size."""
@@ -231,7 +241,7 @@ def node_loss_run_is_the_engine_run(r):
     assert found["steps"] == r["lab08_params"]["steps"] and found["world_size"] == r["lab08_params"]["workers"]
 
 
-@check(points=1, needs_run=True)
+@check(points=0.25, needs_run=True)
 def horovod_elastic_report_is_consistent(r):
     """The elastic run's report adds up: the rolled-back steps, the lost worker, detection before recovery."""
     h = r["hvd_elastic"]

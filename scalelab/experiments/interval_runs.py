@@ -3,7 +3,7 @@ while faults strike at the times of a seeded Poisson process on the run's own cl
 away, and the restart rebuilds it and loads the newest checkpoint from disk. The student's accounting turns the
 run's event log into the useful-work fraction, set against Daly's prediction for the same C, R and M.
 
-    rows = sweep(out, intervals, account="my_interval:useful_work", mtbf_s=0.6, work_s=2.0)
+    rows = sweep(out, intervals, account="my_interval:useful_work", mtbf_s=0.2, window_s=1.5, trials=4)
     predicted_fraction(interval_s, ckpt_s, restart_s, mtbf_s)   # Daly (2006): tau / (M e^(R/M) (e^((tau+C)/M) - 1))
 
 Everything in a run is real: the steps (an MLP's forward, backward and SGD update on its batches), each checkpoint
@@ -22,7 +22,12 @@ on time.time()'s clock) holds events of types:
 - `step`        `step` (1-based, the steps done), `step_s` (seconds the step took)
 - `checkpoint`  a checkpoint of `step` is on disk; `blocked_s` (seconds training waited for it)
 - `fault`       a fault noticed after step `step` (the model in memory is lost)
-- `end`         all `total_steps` steps are done
+- `end`         the run is over after `step` steps: all `total_steps` done and saved (a run of fixed work, whose
+                last step is saved by a final checkpoint), or its time `window_s` is up (a run of fixed time, as a
+                job's time limit: the steps since the last checkpoint are lost with it)
+
+A sweep runs every interval for the same time with the same fault times (common random numbers: the intervals
+differ by what they make of the same faults, not by their luck) and adds up each interval's trials.
 """
 from __future__ import annotations
 
@@ -85,14 +90,18 @@ class _Log:
         self._f.close()
 
 
-def faulty_run(run_dir, interval_s: float, *, total_steps: int, mtbf_s: float, restart_s: float, seed: int = 0,
-               ballast_mb: float = 8.0, step_s: float = 0.0, fsync: bool = False) -> dict:
-    """Train `total_steps` steps, checkpointing once `interval_s` seconds of work have passed since the last
-    checkpoint, while faults strike at seeded Poisson times (mean gap `mtbf_s`, seed `seed`: the same faults on
-    the run's clock, whatever the interval). `step_s` > 0 pads each step to at least that long (a steadier clock
-    on a busy machine); `fsync` forces each checkpoint to the disk before the rename (off: the page cache is the
-    fast tier, and a shared disk's flushes would make C wander). Returns {run_dir, log (the path of faults.jsonl),
-    faults, checkpoints, wall_s}."""
+def faulty_run(run_dir, interval_s: float, *, total_steps: int | None = None, window_s: float | None = None,
+               mtbf_s: float, restart_s: float, seed: int = 0, ballast_mb: float = 8.0, step_s: float = 0.0,
+               fsync: bool = False) -> dict:
+    """Train `total_steps` steps (the last one saved by a final checkpoint) or for `window_s` seconds on the run's
+    clock (what is not saved when the time is up is lost), whichever comes first, checkpointing once `interval_s`
+    seconds of work have passed since the last checkpoint, while faults strike at seeded Poisson times (mean gap
+    `mtbf_s`, seed `seed`: the same faults on the run's clock, whatever the interval). `step_s` > 0 pads each
+    step to at least that long (a steadier clock on a busy machine); `fsync` forces each checkpoint to the disk
+    before the rename (off: the page cache is the fast tier, and a shared disk's flushes would make C wander).
+    Returns {run_dir, log (the path of faults.jsonl), faults, checkpoints, wall_s}."""
+    if total_steps is None and window_s is None:
+        raise ValueError("faulty_run needs total_steps or window_s: when does the run end?")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt, tmp = run_dir / "checkpoint.pt", run_dir / "checkpoint.pt.tmp"
@@ -104,15 +113,17 @@ def faulty_run(run_dir, interval_s: float, *, total_steps: int, mtbf_s: float, r
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core: a busy machine's other threads do not stretch the steps
+    total_steps = math.inf if total_steps is None else total_steps
+    window_s = math.inf if window_s is None else window_s
     try:
-        return _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, mtbf_s, restart_s, seed,
-                      step_s, fsync)
+        return _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, window_s, mtbf_s,
+                      restart_s, seed, step_s, fsync)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, mtbf_s, restart_s, seed, step_s,
-           fsync):
+def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, window_s, mtbf_s, restart_s, seed,
+           step_s, fsync):
     next_fault = rng.expovariate(1 / mtbf_s)
     faults = checkpoints = 0
 
@@ -127,7 +138,7 @@ def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, m
     model, opt = _model(seed)
     step, work = 0, 0.0  # steps done (in memory), seconds of work since the last checkpoint
     log.emit("start", start_step=0)
-    while step < total_steps:
+    while step < total_steps and time.perf_counter() - t0 < window_s:
         s0 = time.perf_counter()
         x, y = _batch(seed, step)
         loss = F.cross_entropy(model(x), y)
@@ -141,7 +152,7 @@ def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, m
         work += took
         log.emit("step", step=step, step_s=took, loss=loss.item())
         lost = struck()
-        if not lost and step < total_steps and work >= interval_s:
+        if not lost and (step == total_steps or work >= interval_s):  # the last one: the trained model saved
             c0 = time.perf_counter()
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                         "ballast": ballast}, tmp)
@@ -171,7 +182,7 @@ def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, m
             lost = struck()
             if not lost:
                 log.emit("start", start_step=step)
-    log.emit("end", total_steps=total_steps)
+    log.emit("end", step=step)
     log.close()
     for p in (ckpt, tmp):
         p.unlink(missing_ok=True)
@@ -181,11 +192,12 @@ def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, m
 
 def calibrate(run_dir, checkpoints: int = 10, restart_s: float = 0.05, ballast_mb: float = 8.0) -> dict:
     """C and R of these runs before any sweep: a run with no fault that checkpoints after every step (ckpt_s, the
-    mean blocked_s of its `checkpoints` checkpoints), and one restart timed as a fault's would be (restart_s: the
+    median blocked_s of its checkpoints: on a busy machine one save the scheduler held up must not move the sweep's
+    intervals), and one restart timed as a fault's would be (restart_s: the
     wait, a new model and optimizer, torch.load of the checkpoint). Returns {ckpt_s, restart_s, log}."""
     run = faulty_run(run_dir, 0.0, total_steps=checkpoints + 1, mtbf_s=1e9, restart_s=restart_s, seed=0,
                      ballast_mb=ballast_mb)
-    ckpt_s = costs(read_log(run["log"]))["ckpt_s"]
+    ckpt_s = costs(read_log(run["log"]))["ckpt_median_s"]
     path = Path(run_dir) / "checkpoint.pt"
     model, opt = _model(0)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 0,
@@ -207,19 +219,22 @@ def read_log(path) -> list[dict]:
 
 
 def costs(events: list[dict]) -> dict:
-    """The run's measured C (mean blocked_s of its checkpoints), R (mean seconds from a fault to training again)
-    and mean step time: the inputs of the prediction."""
+    """The run's measured C (ckpt_s: the mean blocked_s of its checkpoints; ckpt_median_s their median), R (the
+    mean seconds one restart took: from a fault to training again, divided among the restarts a fault struck
+    again on the way) and mean step time: the inputs of the prediction."""
     ckpts = [e["blocked_s"] for e in events if e["type"] == "checkpoint"]
     steps = [e["step_s"] for e in events if e["type"] == "step"]
-    restarts, fault_t = [], None
+    restarts, fault_t, tries = [], None, 0
     for e in events:
-        if e["type"] == "fault" and fault_t is None:
-            fault_t = e["t"]
+        if e["type"] == "fault":
+            fault_t, tries = e["t"] if fault_t is None else fault_t, tries + 1
         elif e["type"] == "start" and fault_t is not None:
-            restarts.append(e["t"] - fault_t)
-            fault_t = None
+            restarts += [(e["t"] - fault_t) / tries] * tries
+            fault_t, tries = None, 0
     mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
-    return {"ckpt_s": mean(ckpts), "restart_s": mean(restarts), "step_s": mean(steps)}
+    ordered = sorted(ckpts)
+    median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2 if ordered else 0.0
+    return {"ckpt_s": mean(ckpts), "ckpt_median_s": median, "restart_s": mean(restarts), "step_s": mean(steps)}
 
 
 def load_function(ref, folder=None):
@@ -237,56 +252,62 @@ def load_function(ref, folder=None):
     return getattr(mod, name)
 
 
-def sweep(out, intervals: list[float], account, *, mtbf_s: float, work_s: float, restart_s: float = 0.05,
-          trials: int = 1, ballast_mb: float = 8.0, step_s: float = 0.004, seed: int = 0, say=print) -> dict:
-    """One faulty run per interval and trial (trial k has the fault times of seed k, whatever the interval), each
-    accounted by `account(events) -> {useful_s, lost_s, checkpoint_s, restart_s, wall_s}` (the student's function,
-    or "module:function"). Returns {rows: per interval the measured fraction (useful_s / wall_s summed over the
-    trials), Daly's prediction for the runs' own C and R, faults; best_interval_s; error (None, or why the
-    accounting could not run: then the sweep stops there, and no row has a measurement)}."""
-    total_steps = max(1, round(work_s / step_s))
-    rows, error = [], None
+def sweep(out, intervals: list[float], account, *, mtbf_s: float, window_s: float, restart_s: float = 0.05,
+          trials: int = 4, ballast_mb: float = 8.0, step_s: float = 0.004, seed: int = 0, say=print) -> dict:
+    """One faulty run of `window_s` seconds per interval and trial, trial by trial (every interval of trial k has
+    the fault times of seed `seed` + k: common random numbers, so the intervals differ by what they do with the
+    same faults, not by their luck), each accounted by `account(events) -> {useful_s, lost_s, checkpoint_s,
+    restart_s, wall_s}` (the student's function, or "module:function"). Returns {rows: per interval the measured
+    fraction (useful_s summed over its trials / their wall_s summed), each trial's own (`fractions`), Daly's
+    prediction for the runs' own C and R, faults; best_interval_s (the interval of the most useful work); error
+    (None, or why the accounting could not run: then the sweep stops there, and no row has a measurement)}."""
+    error = None
     try:
         account = load_function(account)
     except Exception as e:  # noqa: BLE001 - a module that does not load is the student's to fix
         account, error = None, f"{type(e).__name__}: {e}"
-    for tau in intervals:
-        if error is not None:
-            break  # the accounting does not run: no more runs to account
-        runs, useful, wall, faults, measured = [], 0.0, 0.0, 0, []
-        for k in range(trials):
-            run = faulty_run(Path(out) / f"interval-{tau:.4f}-trial-{k}", tau, total_steps=total_steps,
+    runs = {tau: [] for tau in intervals}  # per interval: (run, its events, the accounting's parts)
+    for k in range(trials):
+        for tau in intervals:
+            if error is not None:
+                break  # the accounting does not run: no more runs to account
+            run = faulty_run(Path(out) / f"interval-{tau:.4f}-trial-{k}", tau, window_s=window_s,
                              mtbf_s=mtbf_s, restart_s=restart_s, seed=seed + k, ballast_mb=ballast_mb, step_s=step_s)
             events = read_log(run["log"])
-            c = costs(events)
-            measured.append(c)
-            faults += run["faults"]
-            runs.append(run["run_dir"])
-            if account is not None and error is None:
-                try:
-                    parts = account(events)
-                    useful += parts["useful_s"]
-                    wall += parts["wall_s"]
-                except NotImplementedError:
-                    error = "not implemented yet: useful_work (exercise)"
-                except Exception as e:  # noqa: BLE001 - the student's function failed: say how, go on
-                    error = f"{type(e).__name__}: {e}"
+            parts = None
+            try:
+                parts = account(events)
+                parts = {"useful_s": float(parts["useful_s"]), "wall_s": float(parts["wall_s"])}
+            except NotImplementedError:
+                error = "not implemented yet: useful_work (exercise)"
+            except Exception as e:  # noqa: BLE001 - the student's function failed: say how, go on
+                error = f"{type(e).__name__}: {e}"
+            runs[tau].append((run, events, parts))
+    rows = []
+    for tau in intervals:
+        if not runs[tau]:
+            continue
+        measured = [costs(events) for _, events, _ in runs[tau]]
         ckpt_s = sum(c["ckpt_s"] for c in measured) / len(measured)
         rest = [c["restart_s"] for c in measured if c["restart_s"]]
         restart = sum(rest) / len(rest) if rest else restart_s
-        row = {"interval_s": tau, "runs": runs, "faults": faults, "ckpt_s": ckpt_s, "restart_s": restart,
+        done = error is None and all(parts and parts["wall_s"] > 0 for _, _, parts in runs[tau])
+        row = {"interval_s": tau, "runs": [run["run_dir"] for run, _, _ in runs[tau]],
+               "faults": sum(run["faults"] for run, _, _ in runs[tau]), "ckpt_s": ckpt_s, "restart_s": restart,
                "predicted": predicted_fraction(tau, ckpt_s, restart, mtbf_s),
-               "fraction": useful / wall if error is None and wall else None}
+               "fraction": (sum(p["useful_s"] for _, _, p in runs[tau]) / sum(p["wall_s"] for _, _, p in runs[tau])
+                            if done else None),
+               "fractions": [p["useful_s"] / p["wall_s"] for _, _, p in runs[tau]] if done else None}
         rows.append(row)
         if say:
             got = f"{row['fraction']:.3f}" if row["fraction"] is not None else "  -  "
-            say(f"interval {tau:6.3f} s: {faults:2d} faults, useful-work fraction {got} measured, "
+            say(f"interval {tau:6.3f} s: {row['faults']:3d} faults, useful-work fraction {got} measured, "
                 f"{row['predicted']:.3f} predicted (C {ckpt_s * 1e3:.1f} ms, R {restart * 1e3:.0f} ms)")
     if error and say:
         say(f"the accounting did not run: {error}")
     best = max(rows, key=lambda r: r["fraction"])["interval_s"] if error is None else None
-    return {"rows": rows, "best_interval_s": best, "error": error, "mtbf_s": mtbf_s, "work_s": work_s,
-            "trials": trials, "total_steps": total_steps}
+    return {"rows": rows, "best_interval_s": best, "error": error, "mtbf_s": mtbf_s, "window_s": window_s,
+            "trials": trials}
 
 
 __all__ = ["predicted_fraction", "daly_optimum", "faulty_run", "calibrate", "read_log", "costs", "load_function",
