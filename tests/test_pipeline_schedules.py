@@ -173,3 +173,17 @@ def test_torchs_interleaved_schedule_is_refused_where_it_cannot_run_naming_the_f
     with pytest.raises(SpecError) as err:
         tiny(tmp_path, "x", workers=2, **{**MLP, "pipeline.schedule": "torch-interleaved", **changes})
     assert err.value.field == field and words in str(err.value)
+
+
+def test_the_replay_follows_virtual_stages_round_the_ranks():
+    """Interleaved timelines name each operation's virtual stage: F on chunk v waits for F on chunk v-1 (another
+    rank), B for B on chunk v+1. Two ranks, chunks 0 and 2 on rank 0, 1 and 3 on rank 1, one micro-batch, unit
+    times: the activations go round twice and back, 8 slots for 4 per rank."""
+    from scalelab.train.pipeline import replay_bubble
+    rank0 = [("F", 0, 0.0, 1.0, 0), ("F", 0, 0.0, 1.0, 2), ("B", 0, 0.0, 1.0, 2), ("B", 0, 0.0, 1.0, 0)]
+    rank1 = [("F", 0, 0.0, 1.0, 1), ("F", 0, 0.0, 1.0, 3), ("B", 0, 0.0, 1.0, 3), ("B", 0, 0.0, 1.0, 1)]
+    replay = replay_bubble([rank0, rank1])
+    assert replay["span_s"] == 8 and replay["bubble"] == 0.5
+    assert replay["starts"] == [[0, 2, 5, 7], [1, 3, 4, 6]]
+    plain = [[(op, i, 0.0, 1.0) for op, i in builtin_ops("gpipe", s, 2, 4)] for s in range(2)]
+    assert replay_bubble(plain)["bubble"] == pytest.approx(0.2)  # one chunk per rank: (p-1)/(m+p-1), as before
