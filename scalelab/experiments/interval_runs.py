@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from scalelab.paths import json_lines
+
 FEATURES, HIDDEN, CLASSES, BATCH = 64, 256, 10, 64
 LOG = "faults.jsonl"
 
@@ -214,8 +216,8 @@ def calibrate(run_dir, checkpoints: int = 10, restart_s: float = 0.05, ballast_m
 
 
 def read_log(path) -> list[dict]:
-    """The events of a run's faults.jsonl."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The events of a run's faults.jsonl (a line a kill cut short is skipped)."""
+    return json_lines(Path(path).read_text())
 
 
 def costs(events: list[dict]) -> dict:
