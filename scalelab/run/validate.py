@@ -98,7 +98,7 @@ def _regex(pattern, what):
 RULES = {
     "name": (str, _regex(_NAME, "1-64 letters, digits, '-', '_' or '.', starting with a letter or digit")),
     "model.name": (str, _choice(MODELS)),
-    "model.width": (int, _int_at_least(1, 4096)),
+    "model.width": (int, _int_at_least(1, 8192)),  # 8192: lab 06's GPU-node checkpoints (about 1 GB)
     "model.depth": (int, _int_at_least(1, 64)),
     "model.heads": (int, _int_at_least(0, 256)),
     "model.preset": (str, _choice(("", *GPT_PRESETS))),
