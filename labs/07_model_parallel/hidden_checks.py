@@ -49,10 +49,10 @@ def grad_op_gathers_once(r):
 
 @check(points=0.5, needs_run=True)
 def gpt_layouts_train_the_same_model(r):
-    """Section 2b: the gpt's DDP, FSDP, tensor- and pipeline-parallel runs ran as recorded (strategy, the grader's
-    gpt_steps and ranks, final loss: their event files); rank 0's losses agree where they are the same batch's (DDP
-    and FSDP: its own half; TP and PP: the whole batch, DDP's two halves averaged), and FSDP's rank 0 holds 1/N of
-    DDP's state."""
+    """Section 2b: the gpt's DDP, FSDP, tensor- and pipeline-parallel (1F1B, torch's interleaved) runs ran as
+    recorded (strategy, the grader's gpt_steps and ranks, final loss: their event files); rank 0's losses agree
+    where they are the same batch's (DDP and FSDP: its own half; TP and PP: the whole batch, DDP's two halves
+    averaged), and FSDP's rank 0 holds 1/N of DDP's state."""
     runs, workers = r["gpt_runs"], r["lab07_params"]["workers"]
     assert {"ddp", "fsdp", "tp", "pp"} <= set(runs), f"layouts recorded: {sorted(runs)}"
     found = {}
@@ -64,6 +64,9 @@ def gpt_layouts_train_the_same_model(r):
     same = lambda a, b, tol: len(a) == len(b) > 0 and all(abs(x - y) <= tol for x, y in zip(a, b))  # noqa: E731
     assert same(found["fsdp"]["loss_curve"], found["ddp"]["loss_curve"], 1e-4), "FSDP's losses are not DDP's"
     assert same(found["tp"]["loss_curve"], found["pp"]["loss_curve"], 1e-3), "TP's and PP's losses differ"
+    if "pp_interleaved" in found:  # torch's interleaved 1F1B: the same pipeline's computation in another order
+        assert same(found["pp_interleaved"]["loss_curve"], found["pp"]["loss_curve"], 1e-4), \
+            "torch's interleaved schedule's losses are not the 1F1B pipeline's"
     assert same(found["tp"]["loss_curve"], runs["ddp"]["loss_curve"], 1e-3), \
         "TP's whole-batch losses are not DDP's ranks' averaged"
     ratio = runs["fsdp"]["state_bytes"] / runs["ddp"]["state_bytes"]
