@@ -380,18 +380,24 @@ class LocalCluster:
             self._stop_all()
 
     def _stop_all(self) -> None:
-        for daemon in reversed(DAEMONS[:1] + DB_DAEMONS + DAEMONS[1:]):  # accounting's too, even if now off
-            pid = self._pid(daemon)
-            if pid:
-                try:
-                    os.kill(pid, 0)  # may we signal it at all? (kill_processes skips what it may not)
-                except PermissionError:
-                    raise ClusterError(f"{daemon} (pid {pid}) belongs to root: run `sudo scalelab cluster down`")
-                except ProcessLookupError:
-                    pass
-                else:
-                    kill_processes([pid], grace_s=15, tree=False)
-            self._pid_file(daemon).unlink(missing_ok=True)
+        # slurmd, slurmctld, then accounting's two together (their own shutdowns, ~2 s each, side by side), munged
+        for group in (("slurmd",), ("slurmctld",), DB_DAEMONS, ("munged",)):  # accounting's even if now off
+            pids = []
+            for daemon in group:
+                pid = self._pid(daemon)
+                if pid:
+                    try:
+                        os.kill(pid, 0)  # may we signal it at all? (kill_processes skips what it may not)
+                    except PermissionError:
+                        raise ClusterError(f"{daemon} (pid {pid}) belongs to root: run `sudo scalelab cluster down`")
+                    except ProcessLookupError:
+                        pass
+                    else:
+                        pids.append(pid)
+            if pids:
+                kill_processes(pids, grace_s=15, tree=False)
+            for daemon in group:
+                self._pid_file(daemon).unlink(missing_ok=True)
 
     # -- queries ----------------------------------------------------------------------------------------------
 
