@@ -140,7 +140,11 @@ class CourseSpawner(LoggingConfigurable):
             if register_user(name, conf or ("/etc/slurm/slurm.conf" if conf == "" else None), student=True):
                 self.log.info("Course account %s: association with the student QOS in the local Slurm", name)
         except ClusterError as e:
-            raise SpawnFailed(f"could not give the course account {name!r} its Slurm association: {e}") from None
+            if conf is not None:  # slurm mode: its jobs would be refused; say why now
+                raise SpawnFailed(f"could not give the course account {name!r} its Slurm association: {e}") from None
+            # local mode: the server needs no Slurm; the cluster's next `up()` registers every course account
+            self.log.warning("Course account %s has no association in the local Slurm (%s)", name, e)
+            return
         CourseSpawner._registered.add(name)
 
     def user_env(self, env):
