@@ -80,6 +80,8 @@ def test_a_plausible_mistake_in_each_code_exercise_loses_its_points(lab_gradings
     (lambda r: r["own_step"]["yours"].update(losses=[x + 0.01 for x in r["own_step"]["yours"]["losses"]]),
      "own_step_runs_are_their_events"),
     (lambda r: r["own_step"].update(yours=r["own_step"]["fp32"]), "own_step_runs_are_their_events"),
+    (lambda r: r["gpt_ladder"][-1].update(speedup=2 * r["gpt_ladder"][-1]["speedup"] + 1),
+     "gpt_ladder_rows_follow_from_their_numbers"),
 ])
 def test_checks_catch_a_wrong_or_forged_record(reference, forge, check_name):
     assert_check_notices(LAB, reference[0], forge, check_name)

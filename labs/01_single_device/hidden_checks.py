@@ -175,3 +175,22 @@ def own_step_runs_are_their_events(r):
             assert end[0]["scaler_calls"] == {"scale": steps, "step": steps, "update": steps}, "GradScaler calls"
     assert shares["fp32"] == 0 and shares["yours"] >= 0.5, f"16-bit share of saved activations {shares}"
     assert abs(found["yours"]["final_loss"] - found["fp32"]["final_loss"]) < 0.05, "final losses too far apart"
+
+
+@check(points=0.25, needs_run=True)
+def gpt_ladder_rows_follow_from_their_numbers(r):
+    """Section 5b (measured in the notebook's process, so held against itself): rungs in order, each changing one
+    thing, every rung from the same weights and batches (the same first loss), speedup and gain the ratios of the
+    recorded tokens/s."""
+    rows = [row for row in r["gpt_ladder"] if "error" not in row]
+    names = [row["name"] for row in r["gpt_ladder"]]
+    assert len(rows) >= 2 and names[0] == rows[0]["name"], f"rungs that ran: {names}"
+    first, before = rows[0], rows[0]
+    for row in rows:
+        assert math.isclose(row["loss_first"], first["loss_first"], rel_tol=1e-2, abs_tol=1e-2), \
+            f"{row['name']}: first loss {row['loss_first']} against {first['loss_first']}: not the same start"
+        for key, over in (("speedup", first), ("gain", before)):
+            want = row["tokens_per_s"] / over["tokens_per_s"]
+            assert math.isclose(row[key], want, rel_tol=1e-6), \
+                f"{row['name']}: {key} {row[key]!r} is not its tokens/s over {over['name']}'s ({want:.4g})"
+        before = row
