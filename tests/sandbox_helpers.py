@@ -57,3 +57,13 @@ def fake_checkout(root: Path) -> Path:
         p.chmod(0o755)
     (lab / "hidden_checks.py").chmod(0o644)
     return lab
+
+
+def assert_nothing_leaks_into_reports(out, bits, what: str = "") -> None:
+    """No file a student or a course page gets from a grading's output folder `out` (everything but instructor/)
+    holds any of `bits` (text from hidden checks, a classmate's files, planted secrets)."""
+    for path in out.rglob("*"):
+        if path.is_file() and "instructor" not in path.parts:
+            text = path.read_text(errors="replace")
+            for bit in bits:
+                assert bit not in text, f"{bit!r}{what} leaked into {path}"

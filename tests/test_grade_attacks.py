@@ -29,6 +29,7 @@ import pytest
 from scalelab.cli import main
 from scalelab.grade.sandbox import needed_paths
 from sandbox_helpers import _as_root, fake_checkout  # noqa: F401 (the fixture: root, or a failure under CI=true)
+from sandbox_helpers import assert_nothing_leaks_into_reports
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
 import make_fixtures  # noqa: E402
@@ -165,12 +166,8 @@ def test_a_walk_of_the_whole_file_system_finds_no_hidden_check_course_copy_or_cl
 
 
 def test_no_hidden_check_or_classmates_text_reaches_any_report(attacked):
-    secrets = (make_fixtures.SECRET, PLANTED, "math.isclose", "_expected_mean")
-    for path in attacked["out"].rglob("*"):
-        if path.is_file() and "instructor" not in path.parts:
-            text = path.read_text(errors="replace")
-            for bit in secrets:
-                assert bit not in text, f"{bit!r} leaked into {path}"
+    bits = (make_fixtures.SECRET, PLANTED, "math.isclose", "_expected_mean")
+    assert_nothing_leaks_into_reports(attacked["out"], bits)
 
 
 def test_a_malformed_record_output_is_the_students_note_not_a_grader_error(attacked):

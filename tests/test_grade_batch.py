@@ -26,6 +26,7 @@ from scalelab.course.release import release_lab
 from scalelab.grade.sandbox import UID_RANGE
 from scalelab.record import read_records
 from sandbox_helpers import _as_root  # noqa: F401 (the fixture: root, or a failure under CI=true)
+from sandbox_helpers import assert_nothing_leaks_into_reports
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "grading"))
 import make_fixtures  # noqa: E402
@@ -154,11 +155,7 @@ def test_reading_the_hidden_checks_finds_nothing_and_costs_nothing(batch):
 
 
 def test_hidden_checks_source_appears_nowhere_in_the_reports(batch):
-    for path in batch["out"].rglob("*"):
-        if path.is_file() and "instructor" not in path.parts:
-            text = path.read_text(errors="replace")
-            for bit in HIDDEN_SOURCE_BITS:
-                assert bit not in text, f"{bit!r} from hidden_checks.py leaked into {path}"
+    assert_nothing_leaks_into_reports(batch["out"], HIDDEN_SOURCE_BITS, " from hidden_checks.py")
 
 
 def test_forged_record_is_caught_by_the_hidden_evidence_check(batch):
