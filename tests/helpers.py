@@ -33,3 +33,16 @@ def final_params(run_dir) -> dict[str, torch.Tensor]:
 def loss_curve(summary) -> list[float]:
     """Rank 0's loss per step."""
     return summary["loss_curve"]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """predicate()'s first truthy value, polled every 0.25 s; the test fails, naming `what`, after `timeout` s."""
+    import time
+    import pytest
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"not within {timeout:g} s: {what}")

@@ -10,7 +10,6 @@ import pwd
 import secrets
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -18,6 +17,8 @@ import pytest
 
 from scalelab.cluster import job_end
 from scalelab.cluster.job_end import COURSE_GROUP, leftovers
+
+from helpers import wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -97,16 +98,6 @@ def _state(cluster, job: str) -> str:
     return next((f.split("=", 1)[1] for f in out.split() if f.startswith("JobState=")), "GONE")
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"not within {timeout:g} s: {what}")
-
-
 def _procs_of(user: str, marker: str) -> list[int]:
     uid = pwd.getpwnam(user).pw_uid
     found = []
@@ -131,14 +122,14 @@ def test_a_daemon_a_course_job_leaves_is_ended_but_another_live_job_and_a_person
     student, person = accounts
     # the account's other live job (its server, say), and a person's job outside the course, each daemonising too
     keep = _submit(slurm_cluster, student, "sleep 300", folder)
-    _wait(lambda: _state(slurm_cluster, keep) == "RUNNING", 60, "the student's long job to start")
+    wait_until(lambda: _state(slurm_cluster, keep) == "RUNNING", 60, "the student's long job to start")
     persons = _submit(slurm_cluster, person, "setsid -f sleep 3600.5; sleep 1", folder)
     job = _submit(slurm_cluster, student, "setsid -f sleep 3600.25; setsid -f sh -c 'sleep 3600.75'; sleep 1", folder)
-    _wait(lambda: _procs_of(student, "sleep 3600.25"), 60, "the student's daemon to start")
+    wait_until(lambda: _procs_of(student, "sleep 3600.25"), 60, "the student's daemon to start")
     for j in (job, persons):
-        _wait(lambda: _state(slurm_cluster, j) in ("COMPLETED", "GONE"), 60, f"job {j} to end")
+        wait_until(lambda: _state(slurm_cluster, j) in ("COMPLETED", "GONE"), 60, f"job {j} to end")
     # the Epilog runs as the job completes: the daemons the job left are ended
-    _wait(lambda: not _procs_of(student, "sleep 3600.25") and not _procs_of(student, "sleep 3600.75"), 30,
+    wait_until(lambda: not _procs_of(student, "sleep 3600.25") and not _procs_of(student, "sleep 3600.75"), 30,
           f"the daemons of job {job} to be ended; still there: {_procs_of(student, 'sleep 3600')}")
     # controls: the account's other job runs on, and a person's own daemon is not the Epilog's to end
     assert _state(slurm_cluster, keep) == "RUNNING" and _procs_of(student, "sleep 300")
@@ -150,7 +141,7 @@ def test_a_job_that_asked_for_no_gpu_sees_none(slurm_cluster, accounts, folder):
     student, _ = accounts
     job = _submit(slurm_cluster, student, 'echo "batch [${CUDA_VISIBLE_DEVICES-unset}]"; '
                                           'srun sh -c \'echo "step [${CUDA_VISIBLE_DEVICES-unset}]"\'', folder)
-    _wait(lambda: _state(slurm_cluster, job) in ("COMPLETED", "FAILED", "GONE"), 60, f"job {job} to end")
+    wait_until(lambda: _state(slurm_cluster, job) in ("COMPLETED", "FAILED", "GONE"), 60, f"job {job} to end")
     out = (folder / f"{job}.out").read_text()
     assert "batch []" in out and "step []" in out, out
 
@@ -175,4 +166,4 @@ def test_a_job_past_the_partitions_time_limit_is_refused_at_submission(slurm_clu
                            env={**os.environ, **slurm_cluster.env()}, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and "time limit" in r.stderr.lower(), (limit, r.stdout, r.stderr)
     ok = _submit(slurm_cluster, student, "true", folder, f"--time={MAX_TIME}")  # control: at the limit it runs
-    _wait(lambda: _state(slurm_cluster, ok) in ("COMPLETED", "GONE"), 60, f"job {ok} to run")
+    wait_until(lambda: _state(slurm_cluster, ok) in ("COMPLETED", "GONE"), 60, f"job {ok} to run")

@@ -13,7 +13,6 @@ import pwd
 import secrets
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -24,6 +23,8 @@ from scalelab.cluster.accounting import COURSE_ACCOUNT, STUDENT_QOS, missing_com
 from scalelab.cluster.conf import slurm_conf_text
 from scalelab.cluster.job_end import COURSE_GROUP
 from scalelab.hub.options import Profile, student_limits
+
+from helpers import wait_until
 
 CAP = 2  # CPUs one student may hold at once in this test: each job asks for all of them
 
@@ -145,16 +146,6 @@ def _queue(cluster, job: str) -> tuple[str, str]:
     return state or "GONE", reason
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"not within {timeout:g} s: {what}")
-
-
 @pytest.mark.slurm
 def test_a_students_second_job_over_the_cap_waits_on_the_qos_a_classmate_and_a_person_run(
         slurm_cluster, accounts, student_cap):
@@ -164,14 +155,14 @@ def test_a_students_second_job_over_the_cap_waits_on_the_qos_a_classmate_and_a_p
     folder = Path(tempfile.mkdtemp(prefix="sl-qos-"))
     folder.chmod(0o777)
     first = _submit(slurm_cluster, s1, folder)
-    _wait(lambda: _queue(slurm_cluster, first)[0] == "RUNNING", 30, f"{s1}'s first job runs")
+    wait_until(lambda: _queue(slurm_cluster, first)[0] == "RUNNING", 30, f"{s1}'s first job runs")
     second = _submit(slurm_cluster, s1, folder)  # the attack: one more job of the full cap, from a terminal
     classmate = _submit(slurm_cluster, s2, folder)
     own = [_submit(slurm_cluster, person, folder) for _ in range(2)]
     # the controls first: the cap is per student, and a person's jobs are not held to it
     for job, who in [(classmate, s2), *((j, person) for j in own)]:
-        _wait(lambda: _queue(slurm_cluster, job)[0] == "RUNNING", 30, f"{who}'s job {job} runs")
-    state, reason = _wait(lambda: (lambda q: q if q[1].startswith("QOS") or q[0] != "PENDING" else None)(
+        wait_until(lambda: _queue(slurm_cluster, job)[0] == "RUNNING", 30, f"{who}'s job {job} runs")
+    state, reason = wait_until(lambda: (lambda q: q if q[1].startswith("QOS") or q[0] != "PENDING" else None)(
         _queue(slurm_cluster, second)), 20, f"{s1}'s second job gets a reason")
     assert (state, reason) == ("PENDING", "QOSMaxCpuPerUserLimit"), \
         f"{s1}'s second job of {CAP} CPUs is {state} ({reason}) while the first holds the per-student cap " \
@@ -179,4 +170,4 @@ def test_a_students_second_job_over_the_cap_waits_on_the_qos_a_classmate_and_a_p
     assert _queue(slurm_cluster, first)[0] == "RUNNING"
     # it was the cap alone: when the first job ends, the second starts
     slurm_cluster.run("scancel", first)
-    _wait(lambda: _queue(slurm_cluster, second)[0] == "RUNNING", 30, f"{s1}'s second job runs once the first ended")
+    wait_until(lambda: _queue(slurm_cluster, second)[0] == "RUNNING", 30, f"{s1}'s second job runs once the first ended")
