@@ -4,6 +4,8 @@
     scalelab grade 01_single_device build/collected/01_single_device/*/ -j 2
     scalelab course return 01_single_device                                  # feedback.html into each home
     scalelab course gradebook                                                # build/grades/course_gradebook.csv
+    scalelab course gradebook --format canvas --roster lms_roster.csv        # Canvas's grade import CSV
+    scalelab course gradebook --format moodle --roster lms_roster.csv        # Moodle's grade import CSV
 
 Students and their homes come from the hub's settings (`--config`, default hub_config/course.yaml): the class
 list (auth.allowed_users and the roster), and each student's home as the hub makes it (the Unix account's home
@@ -43,11 +45,27 @@ def add_cli(subparsers) -> None:
     r.add_argument("--grades", help="the lab's report folder (default build/grades/<lab>)")
     r.set_defaults(func=return_command)
 
-    g = sub.add_parser("gradebook", help="one CSV for the course: a row per student, a column per lab")
+    g = sub.add_parser("gradebook", help="one CSV for the course: a row per student, a column per lab; or the "
+                                         "file Canvas or Moodle imports")
     g.add_argument("--grades", default="build/grades", help="folder of the labs' report folders (default %(default)s)")
     g.add_argument("--collected", default="build/collected",
                    help="folder of the labs' collections, for the late flags (default %(default)s)")
-    g.add_argument("--out", help="the CSV (default <grades>/course_gradebook.csv)")
+    g.add_argument("--format", default="csv", choices=("csv", "canvas", "moodle"),
+                   help="csv: scalelab's own columns (default); canvas / moodle: that LMS's grade import CSV")
+    g.add_argument("--roster", help="canvas/moodle: CSV mapping each hub login (column 'login') to the student's "
+                                    "LMS identity (Canvas: Student, ID, SIS User ID, SIS Login ID, Section; "
+                                    "Moodle: email, username or idnumber)")
+    g.add_argument("--login-column", default="login",
+                   help="the roster's column of hub login names (default %(default)s)")
+    g.add_argument("--moodle-id", default="email", choices=("email", "username", "idnumber"),
+                   help="moodle: the user field the import maps students by (default %(default)s)")
+    g.add_argument("--canvas-assignment", action="append", default=[], metavar="LAB=ID",
+                   help="canvas: the Canvas assignment a lab's grades go to (the id in its address); repeat per "
+                        "lab; a lab without one becomes a new assignment on import")
+    g.add_argument("--allow-missing", action="store_true",
+                   help="canvas/moodle: leave graded students who are not in the roster out (listed) instead of "
+                        "stopping")
+    g.add_argument("--out", help="the CSV (default <grades>/course_gradebook.csv, or course_gradebook_<format>.csv)")
     g.set_defaults(func=gradebook_command)
 
 
@@ -109,7 +127,9 @@ def return_command(args) -> int:
 
 
 def gradebook_command(args) -> int:
-    """Write the course gradebook from every graded lab."""
+    """Write the course gradebook from every graded lab, in scalelab's columns or an LMS's import format."""
+    if args.format != "csv":
+        return _lms_gradebook(args)
     from ..grade.report import course_gradebook
     late: dict[str, set[str]] = {}
     for manifest in Path(args.collected).glob("*/collected.json"):
@@ -119,5 +139,27 @@ def gradebook_command(args) -> int:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     path = course_gradebook(Path(args.grades), Path(args.out) if args.out else None, late)
+    print(path)
+    return 0
+
+
+def _lms_gradebook(args) -> int:
+    from ..grade.report import lms_gradebook
+    if not args.roster:
+        raise GradingError(f"--format {args.format} needs --roster FILE: a CSV with a 'login' column (each "
+                           "student's hub login name) and their LMS identity (see `scalelab course gradebook -h`)")
+    ids = {}
+    for item in args.canvas_assignment:
+        lab, sep, number = item.partition("=")
+        if not sep or not lab or not number:
+            raise GradingError(f"--canvas-assignment {item!r}: give LAB=ID, e.g. 01_single_device=1234")
+        ids[lab] = number
+    path, export = lms_gradebook(Path(args.grades), args.format, Path(args.roster),
+                                 Path(args.out) if args.out else None, login_column=args.login_column,
+                                 moodle_id=args.moodle_id, canvas_ids=ids, allow_missing=args.allow_missing)
+    if export.not_in_roster:
+        print(f"left out, not in the roster: {', '.join(export.not_in_roster)}", file=sys.stderr)
+    for line in export.not_exported:
+        print(f"blank cell: {line}", file=sys.stderr)
     print(path)
     return 0

@@ -18,13 +18,13 @@ import csv
 import hashlib
 import html
 import json
-import os
 import re
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..course.gradebook import CourseGrades, LabGrade, csv_cell, lms_rows, read_lms_roster, write_rows
 from .checks import CheckResult
 
 _LOCK = threading.Lock()
@@ -39,7 +39,6 @@ vertical-align:top}.pass{color:#176b2c}.partial{color:#8a5a00}.fail,.missing,.er
 overflow:auto;max-height:24rem;font-size:13px}.hidden{font-size:12px;color:#666}"""
 
 
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 _KEY_MAX = 60
 
 
@@ -50,13 +49,6 @@ def file_key(student: str) -> str:
     if slug == student and len(slug) <= _KEY_MAX:
         return slug
     return f"{slug[:_KEY_MAX]}-{hashlib.sha256(student.encode()).hexdigest()[:10]}"
-
-
-def csv_cell(value: Any) -> Any:
-    """A gradebook cell that a spreadsheet shows as text: a string starting like a formula gets a leading '."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START):
-        return "'" + value
-    return value
 
 
 def prepare_out_dir(out: Path, private: bool = False) -> None:
@@ -152,43 +144,59 @@ def write_gradebook(out: Path) -> Path:
     return path
 
 
+def course_grades(grades_root: Path) -> CourseGrades:
+    """Every `<grades_root>/<lab>/results/*.json`: the labs in name order and each student's result in each."""
+    grades_root = Path(grades_root)
+    labs = sorted(d for d in grades_root.iterdir() if (d / "results").is_dir()) if grades_root.is_dir() else []
+    if not labs:
+        raise FileNotFoundError(f"no graded labs under {grades_root} (expected <lab>/results/*.json from "
+                                "`scalelab grade --out`)")
+    course = CourseGrades([lab.name for lab in labs])
+    for lab in labs:
+        for r in load_results(lab):
+            course.grades.setdefault(str(r.get("student", "")), {})[lab.name] = LabGrade(
+                float(r.get("score", 0.0)), float(r.get("max_score", 0.0)), float(r.get("percent", 0.0)),
+                str(r.get("status", "")))
+    return course
+
+
 def course_gradebook(grades_root: Path, out_csv: Path | None = None, late: dict[str, set[str]] | None = None) -> Path:
     """One CSV for the whole course from every `<grades_root>/<lab>/results/*.json`: a row per student, for each lab
     its percent and status (and `late` when the lab's collection said so), then the average over the labs.
 
-    Columns an LMS import takes: `Student`, `<lab> (%)` per lab, `Average (%)`; cells neutralised like the lab
-    gradebooks. A student without a result for a lab gets an empty cell (and counts 0 in the average)."""
-    grades_root = Path(grades_root)
-    labs = sorted(d for d in grades_root.iterdir() if (d / "results").is_dir())
-    if not labs:
-        raise FileNotFoundError(f"no graded labs under {grades_root} (expected <lab>/results/*.json from "
-                                "`scalelab grade --out`)")
-    table: dict[str, dict[str, dict]] = {}
-    for lab in labs:
-        for r in load_results(lab):
-            table.setdefault(str(r.get("student", "")), {})[lab.name] = r
+    Columns: `Student`, `<lab> (%)`, `<lab> status`, `<lab> late` per lab, `Average (%)`; cells neutralised like the
+    lab gradebooks. A student without a result for a lab gets an empty cell (and counts 0 in the average). For an
+    LMS's own import format, see `lms_gradebook`."""
+    course = course_grades(grades_root)
     late = late or {}
-    out_csv = Path(out_csv or grades_root / "course_gradebook.csv")
-    private = lambda path, flags: os.open(path, flags, 0o600)  # noqa: E731 - every student's grades: owner only
-    with _LOCK, open(out_csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8", errors="replace",
-              opener=private) as f:
-        os.chmod(f.fileno(), 0o600)  # a stale .tmp kept its old mode through O_CREAT
-        w = csv.writer(f)
-        head = ["Student"]
-        for lab in labs:
-            head += [f"{lab.name} (%)", f"{lab.name} status", f"{lab.name} late"]
-        w.writerow([csv_cell(x) for x in [*head, "Average (%)"]])
-        for student in sorted(table):
-            row, total = [student], 0.0
-            for lab in labs:
-                r = table[student].get(lab.name)
-                pct = float(r.get("percent", 0.0)) if r else None
-                total += pct or 0.0
-                row += ["" if pct is None else pct, r.get("status", "") if r else "not graded",
-                        "yes" if student in late.get(lab.name, set()) else ""]
-            w.writerow([csv_cell(x) for x in [*row, round(total / len(labs), 2)]])
-    out_csv.with_suffix(".csv.tmp").replace(out_csv)
-    return out_csv
+    head = ["Student"]
+    for lab in course.labs:
+        head += [f"{lab} (%)", f"{lab} status", f"{lab} late"]
+    rows: list[list[Any]] = [[*head, "Average (%)"]]
+    for student in sorted(course.grades):
+        row, total = [student], 0.0
+        for lab in course.labs:
+            g = course.grades[student].get(lab)
+            total += g.percent if g else 0.0
+            row += ["" if g is None else g.percent, g.status if g else "not graded",
+                    "yes" if student in late.get(lab, set()) else ""]
+        rows.append([*row, round(total / len(course.labs), 2)])
+    with _LOCK:
+        return write_rows(Path(out_csv or Path(grades_root) / "course_gradebook.csv"), rows)
+
+
+def lms_gradebook(grades_root: Path, fmt: str, roster: Path, out_csv: Path | None = None, *,
+                  login_column: str = "login", moodle_id: str = "email", canvas_ids: dict[str, str] | None = None,
+                  allow_missing: bool = False):
+    """The course gradebook in Canvas's or Moodle's grade import format (`course.gradebook` says which columns),
+    students mapped to their LMS identities through the instructor's `roster` CSV. Returns the file written and
+    the `Export` (students left out, results not exported)."""
+    course = course_grades(grades_root)
+    export = lms_rows(fmt, course, read_lms_roster(roster, login_column), moodle_id=moodle_id,
+                      canvas_ids=canvas_ids, allow_missing=allow_missing)
+    with _LOCK:
+        path = write_rows(Path(out_csv or Path(grades_root) / f"course_gradebook_{fmt}.csv"), export.rows)
+    return path, export
 
 
 def checks_table_html(checks: Iterable[Any]) -> str:
@@ -227,6 +235,6 @@ def feedback_html(data: dict) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["file_key", "csv_cell", "course_gradebook", "prepare_out_dir", "write_submission", "write_gradebook",
+__all__ = ["file_key", "csv_cell", "course_grades", "course_gradebook", "lms_gradebook", "prepare_out_dir", "write_submission", "write_gradebook",
            "write_records", "read_records_file", "load_results", "result_to_dict",
            "check_to_dict", "checks_table_html", "feedback_html"]
