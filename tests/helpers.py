@@ -46,3 +46,40 @@ def wait_until(predicate, timeout: float, what: str):
             return value
         time.sleep(0.25)
     pytest.fail(f"not within {timeout:g} s: {what}")
+
+
+def remove_accounts(cluster, names, timeout: float = 20) -> None:
+    """Tear down throwaway Unix accounts a cluster test made: their jobs cancelled first (a job of a deleted uid is
+    requeued for ever), their processes killed, then the account and its association removed. Each step goes on
+    past what is already gone, so a half-made account is removed too; an account still there after `timeout` s
+    fails the test, naming it (userdel refuses while a process of the uid is alive, and a killed one takes a moment
+    to be reaped)."""
+    import pwd
+    import subprocess
+    import time
+    for name in names:
+        cluster.run("scancel", "-u", name, check=False)
+        try:
+            uid = pwd.getpwnam(name).pw_uid
+        except KeyError:
+            uid = None  # never made, or removed already: no process can be its
+        deadline = time.monotonic() + timeout
+        while True:
+            if uid is not None:
+                _kill_uid(uid)
+            r = subprocess.run(["userdel", name], capture_output=True, text=True)
+            if r.returncode in (0, 6) or time.monotonic() > deadline:  # 6: no such user
+                break
+            time.sleep(0.25)
+        cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
+        assert r.returncode in (0, 6), f"account {name} left behind: `userdel {name}` says {r.stderr.strip()!r}"
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process whose real uid is `uid`."""
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] and p.info["uids"].real == uid:
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass

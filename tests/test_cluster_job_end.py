@@ -18,7 +18,7 @@ import pytest
 from scalelab.cluster import job_end
 from scalelab.cluster.job_end import COURSE_GROUP, leftovers
 
-from helpers import wait_until
+from helpers import remove_accounts, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -72,14 +72,7 @@ def accounts(slurm_cluster):
             slurm_cluster.set_student_limits(0, 0)
         yield student, person
     finally:
-        for name in (student, person):
-            slurm_cluster.run("scancel", "-u", name, check=False)  # no job left queued for an account gone
-            uid = pwd.getpwnam(name).pw_uid
-            for p in psutil.process_iter(["uids"]):
-                if p.info["uids"] and p.info["uids"].real == uid:
-                    p.kill()
-            subprocess.run(["userdel", name], check=False)
-            slurm_cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
+        remove_accounts(slurm_cluster, (student, person))
         if cap is not None:
             slurm_cluster.run("sacctmgr", "-i", "modify", "qos", "where", "name=course-student", "set",
                               f"MaxTRESPerUser={cap or 'cpu=-1'}", check=False)

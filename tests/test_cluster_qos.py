@@ -9,8 +9,8 @@ time (the cap is per student), and a person's account outside the course is not 
 from __future__ import annotations
 
 import os
-import pwd
 import secrets
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,7 +24,7 @@ from scalelab.cluster.conf import slurm_conf_text
 from scalelab.cluster.job_end import COURSE_GROUP
 from scalelab.hub.options import Profile, student_limits
 
-from helpers import wait_until
+from helpers import remove_accounts, wait_until
 
 CAP = 2  # CPUs one student may hold at once in this test: each job asks for all of them
 
@@ -44,6 +44,10 @@ def test_slurmdbd_conf_and_mariadb_are_private():
     text = accounting.slurmdbd_conf_text(state_dir="/s", dbd_port=6819, munge_socket="/s/munge/munge.socket",
                                          log_file="/s/db/slurmdbd.log", pid_file="/s/db/slurmdbd.pid")
     assert "PrivateData=accounts,events,jobs,reservations,usage,users" in text  # sacct shows a student their own
+    # no listen address in slurmdbd.conf: it binds its host name's address, "localhost" in its own UTS namespace
+    assert "CommunicationParameters=NoInAddrAny" in text.splitlines()
+    assert accounting.slurmdbd_command()[:2] == ["unshare", "--uts"] and \
+        accounting.slurmdbd_command()[-1] == "hostname localhost && exec slurmdbd"
     args = accounting.mariadb_args(datadir=Path("/s/db/data"), socket=Path("/s/db/mysqld.sock"),
                                    pid_file=Path("/s/db/p"), log_file=Path("/s/db/l"))
     assert "--skip-networking" in args and "--no-defaults" in args  # a socket in a 0700 folder, no TCP
@@ -104,14 +108,37 @@ def accounts(slurm_cluster):
             accounting.register_user(name, slurm_cluster.conf_path)
         yield s1, s2, person
     finally:
-        for name in (s1, s2, person):
-            slurm_cluster.run("scancel", "-u", name, check=False)
-            uid = pwd.getpwnam(name).pw_uid
-            for p in psutil.process_iter(["uids"]):
-                if p.info["uids"] and p.info["uids"].real == uid:
-                    p.kill()
-            subprocess.run(["userdel", name], check=False)
-            slurm_cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
+        remove_accounts(slurm_cluster, (s1, s2, person))
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses TCP sockets listen on at `port` (IPv4 and IPv6), whoever owns them."""
+    return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+            and c.laddr.port == port}
+
+
+def _outside_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback (where another machine would reach a daemon)."""
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+
+
+@pytest.mark.slurm
+def test_slurmdbd_listens_on_loopback_only(slurm_cluster):
+    """Attack: a machine on the network reaches slurmdbd's port (6819) on the course machine's own address and
+    talks to the daemon that holds every job's accounting and the associations. Before the change slurmdbd bound
+    0.0.0.0 (slurmdbd.conf has no listen address: it binds any unless CommunicationParameters=NoInAddrAny)."""
+    port = slurm_cluster.dbd_port
+    assert slurm_cluster.pids()["slurmdbd"], "the 1-node cluster runs slurmdbd (accounting)"
+    assert _listening_addresses(port) == {"127.0.0.1"}, \
+        f"slurmdbd listens on {sorted(_listening_addresses(port))} at port {port}: it must be 127.0.0.1 only"
+    for address in _outside_addresses():  # the control: this machine's own address does not answer
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex((address, port)) != 0, f"slurmdbd answers on {address}:{port}"
+    with socket.socket() as s:  # and the cluster's own clients still reach it on loopback
+        s.settimeout(2)
+        assert s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture

@@ -17,7 +17,11 @@ created by other means after `up()` needs `register_user` (or `sacctmgr`, below)
 
 The daemons are private: MariaDB listens on a Unix socket only (no TCP: skip-networking) in a 0700 folder of the
 state directory, root's authenticated by its uid (unix_socket), and slurmdbd reaches it there (MYSQL_UNIX_PORT).
-slurmdbd's own port (6819, a second cluster's its own) takes munge-authenticated Slurm messages only, as slurmctld's.
+slurmdbd's own port (6819, a second cluster's its own) takes munge-authenticated Slurm messages only, as slurmctld's,
+and only from this machine: slurmdbd listens on 127.0.0.1 alone. slurmdbd.conf has no listen address (DbdHost and
+DbdAddr only tell clients where to connect); with CommunicationParameters=NoInAddrAny it binds the address its own
+host name resolves to instead of 0.0.0.0, and `slurmdbd_command` starts it in a UTS namespace of its own whose host
+name is "localhost" (the machine's host name, which may resolve to its network address, is left alone).
 slurmdbd.conf hides every other user's jobs, usage and associations from `sacct`/`sacctmgr` (PrivateData), as
 slurm.conf does for squeue.
 
@@ -52,6 +56,10 @@ def slurm_conf_lines(dbd_port: int, gpus: int, munge_socket: str | os.PathLike) 
         # course account's second job over its QOS's MaxTRESPerUser waits (QOSMaxCpuPerUserLimit) and a user with
         # no association is refused at submission. GPUs are a TRES only when listed: then gres/gpu limits hold.
         "AccountingStorageType=accounting_storage/slurmdbd",
+        # slurmdbd listens on 127.0.0.1 only (slurmdbd_conf_text, slurmdbd_command): clients reach it there. The
+        # line below says so in slurm.conf, and changes its text, so a cluster whose slurmdbd an older release
+        # started on 0.0.0.0 is restarted by `up()` (LocalCluster restarts on a slurm.conf it would not write).
+        "# slurmdbd listens on 127.0.0.1 only: slurmdbd.conf CommunicationParameters=NoInAddrAny, host name localhost",
         "AccountingStorageHost=localhost",
         f"AccountingStoragePort={dbd_port}",
         # the munge socket for messages to slurmdbd (AuthInfo serves slurmctld's only): our own munged's
@@ -70,6 +78,8 @@ def slurmdbd_conf_text(*, state_dir: str | os.PathLike, dbd_port: int, munge_soc
         f"AuthInfo=socket={munge_socket}",
         "DbdHost=localhost",
         f"DbdPort={dbd_port}",
+        # bind the address the daemon's host name resolves to, not 0.0.0.0: "localhost" (slurmdbd_command)
+        "CommunicationParameters=NoInAddrAny",
         "SlurmUser=root",
         f"LogFile={log_file}",
         f"PidFile={pid_file}",
@@ -83,6 +93,13 @@ def slurmdbd_conf_text(*, state_dir: str | os.PathLike, dbd_port: int, munge_soc
         "PrivateData=accounts,events,jobs,reservations,usage,users",
         f"# state: {Path(state_dir)}",
     ]) + "\n"
+
+
+def slurmdbd_command() -> list[str]:
+    """slurmdbd's command line: in a UTS namespace of its own named "localhost", so that NoInAddrAny (slurmdbd.conf)
+    binds 127.0.0.1 whatever the machine's host name resolves to. The daemon forks into the background itself;
+    its child keeps the namespace."""
+    return ["unshare", "--uts", "--", "sh", "-c", "hostname localhost && exec slurmdbd"]
 
 
 def mariadb_args(*, datadir: Path, socket: Path, pid_file: Path, log_file: Path) -> list[str]:

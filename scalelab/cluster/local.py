@@ -146,7 +146,7 @@ class LocalCluster:
 
     def _preflight(self) -> None:
         needed = ("munged", "munge", "unmunge", "slurmctld", "slurmd", "sbatch", "scontrol")
-        needed += ("mariadbd", "mariadb-install-db", "slurmdbd", "sacctmgr") if self.accounting else ()
+        needed += ("mariadbd", "mariadb-install-db", "slurmdbd", "sacctmgr", "unshare") if self.accounting else ()
         missing = [b for b in needed
                    if not shutil.which(b, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")]
         if missing:
@@ -202,8 +202,8 @@ class LocalCluster:
         self._start("mariadbd", ["setsid", "-f", *accounting.mariadb_args(
             datadir=p.db_data, socket=p.db_socket, pid_file=p.db_pid, log_file=p.db_log)])
         self._wait_for(lambda: _connects_unix(p.db_socket), deadline, "mariadbd", p.db_log)
-        self._start("slurmdbd", ["slurmdbd"], env={"SLURM_CONF": str(self.conf_path),
-                                                   "MYSQL_UNIX_PORT": str(p.db_socket)})
+        self._start("slurmdbd", accounting.slurmdbd_command(),  # listening on 127.0.0.1 only
+                    env={"SLURM_CONF": str(self.conf_path), "MYSQL_UNIX_PORT": str(p.db_socket)})
         self._wait_for(lambda: _connects_tcp(self.dbd_port), deadline, "slurmdbd", p.dbd_log)
         accounting.ensure_course_setup(self.env(), self.cluster_name)
 
