@@ -8,9 +8,17 @@
     OUT/instructor/records/<student>.json  the values the checks ran on (the notebook's records and the grader's
                                    evidence from the run's event files): why a check said what it said
 
-Hidden checks appear to students with their name, outcome, points and message only: never their source, and
-never the traceback of a hidden check that crashed (that goes to instructor/hidden_check_errors.jsonl).
-Everything shown is HTML-escaped: messages can carry values the student's notebook recorded.
+What a student reads (the feedback page, the checks in results/*.json) shows each check's name, outcome, points and
+message, never its code. Threat: a hidden check's text reaching the student tells them its rule or its data; a
+path tells them the grader's layout. So (`public_message`):
+- a hidden check that crashed shows only the type of the error; its message and traceback go to
+  instructor/hidden_check_errors.jsonl (an exception's text can quote anything: a source line, a file's path, a
+  value the check compares with);
+- a hidden check's message that carries code (a traceback, `File "..."`, def/class/import lines, a decorator: a
+  check that raised with `inspect.getsource`) is replaced by the public text of a hidden check; logged the same;
+- absolute paths in any message, in the run's traceback and in the notes are cut to their last part (`…/name`).
+Not protected: what a hidden check's author writes into a message on purpose (a threshold in plain words), and
+values the student's notebook recorded (the student's own). Everything shown is HTML-escaped.
 """
 from __future__ import annotations
 
@@ -59,11 +67,40 @@ def prepare_out_dir(out: Path, private: bool = False) -> None:
         out.chmod(0o700)
 
 
+#: What a student reads of a hidden check whose message is withheld (the grader's own text for a bare assert).
+HIDDEN_PUBLIC_TEXT = "not met (a hidden check: its rule is not shown)"
+_MESSAGE_MAX = 1000
+_CODE = re.compile(r'Traceback \(most recent call last\)|\bFile "[^"\n]*", line \d+|^\s*(?:async\s+def|def|class)\s+\w+'
+                   r'|^\s*@\w[\w.]*|^\s*(?:import\s+\w|from\s+[.\w]+\s+import\b)|^\s*(?:return|raise|assert)\b', re.M)
+# An absolute path: a / not inside a word, a URL or a relative path, then at least two parts.
+_ABS_PATH = re.compile(r'(?<![\w.~/-])/(?:[^\s/\'"`<>:,;()\[\]{}|]+/)+([^\s/\'"`<>:,;()\[\]{}|]*)')
+
+
+def redact_paths(text: str) -> str:
+    """`text` with each absolute path cut to its last part (`/srv/labs/x/hidden_checks.py`: `…/hidden_checks.py`)."""
+    return _ABS_PATH.sub(lambda m: "…/" + m.group(1), text)
+
+
+def public_message(c: dict) -> str:
+    """What the student may read of check result `c` (a `CheckResult.to_dict()`): see the module docstring."""
+    msg = str(c.get("message") or "")
+    if c.get("hidden"):
+        if c.get("outcome") == "error":
+            kind = re.match(r"check raised (\w+)", msg)
+            return (f"check raised {kind.group(1) if kind else 'an error'} (a hidden check: what it said went to "
+                    "the instructors)")
+        if _CODE.search(msg):
+            return HIDDEN_PUBLIC_TEXT
+    msg = redact_paths(msg)
+    return msg if len(msg) <= _MESSAGE_MAX else msg[:_MESSAGE_MAX] + " …"
+
+
 def check_to_dict(c: CheckResult) -> dict:
-    """A check result as shown to the student: no crash traceback for hidden checks."""
+    """A check result as shown to the student: `public_message`; no crash traceback for hidden checks, the paths cut
+    out of a public one's."""
     d = c.to_dict()
-    if c.hidden:
-        d["detail"] = ""
+    d["message"] = public_message(d)
+    d["detail"] = "" if c.hidden else redact_paths(d.get("detail") or "")
     d["duration_s"] = round(d.get("duration_s", 0.0), 4)
     return d
 
@@ -84,11 +121,13 @@ def write_submission(out: Path, result) -> dict:
     key = file_key(result.student)
     _atomic_write(out / "results" / f"{key}.json", json.dumps(data, indent=1, ensure_ascii=False, default=str))
     _atomic_write(out / "feedback" / f"{key}.html", feedback_html(data))
-    crashed = [c for c in result.checks if c.hidden and c.detail]
-    if crashed:
+    withheld = [c for c, shown in zip(result.checks, data["checks"])
+                if c.hidden and (c.detail or shown["message"] != (c.message or ""))]
+    if withheld:  # what a hidden check said that the student does not see: for instructors
         with _LOCK, open(out / "instructor" / "hidden_check_errors.jsonl", "a", encoding="utf-8") as f:
-            for c in crashed:
-                f.write(json.dumps({"student": result.student, "check": c.name, "traceback": c.detail}) + "\n")
+            for c in withheld:
+                f.write(json.dumps({"student": result.student, "check": c.name, "outcome": c.outcome,
+                                    "message": c.message, "traceback": c.detail}, ensure_ascii=False) + "\n")
     return data
 
 
@@ -210,7 +249,7 @@ def checks_table_html(checks: Iterable[Any]) -> str:
         rows.append(f'<tr><td>{e(c["name"])}{tag}</td><td class="{e(c["outcome"])}" '
                     f'style="color:{colour};font-weight:600">{OUTCOME_MARK.get(c["outcome"], "")} '
                     f'{e(OUTCOME_LABEL.get(c["outcome"], c["outcome"]))}</td>'
-                    f'<td>{c["points"]:g} / {c["max_points"]:g}</td><td>{e(c.get("message") or "")}</td></tr>')
+                    f'<td>{c["points"]:g} / {c["max_points"]:g}</td><td>{e(public_message(c))}</td></tr>')
     return ("<table><thead><tr><th>check</th><th>result</th><th>points</th><th>message</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>")
 
@@ -224,17 +263,20 @@ def feedback_html(data: dict) -> str:
              f"<h1>{e(data['lab'])}</h1><p>Feedback for <b>{e(data['student'])}</b> "
              f"({e(data['submission'])})</p>",
              f"<h2>Score: {data['score']:g} / {data['max_score']:g} ({data['percent']:g} %)</h2>",
-             f"<p class='status'><b>Run:</b> {e(data['status'].replace('_', ' '))} — {e(data['message'])}</p>",
+             f"<p class='status'><b>Run:</b> {e(data['status'].replace('_', ' '))} — "
+             f"{e(redact_paths(data['message']))}</p>",
              "<h2>Checks</h2>", checks_table_html(data["checks"])]
     if ex.get("traceback"):
-        parts += ["<h2>Where the run stopped</h2>", f"<pre>{e(ex['traceback'])}</pre>"]
+        parts += ["<h2>Where the run stopped</h2>", f"<pre>{e(redact_paths(ex['traceback']))}</pre>"]
     if data.get("notes"):
-        parts += ["<h2>Notes</h2><ul>", *[f"<li>{e(n)}</li>" for n in data["notes"]], "</ul>"]
+        parts += ["<h2>Notes</h2><ul>", *[f"<li>{e(redact_paths(str(n)))}</li>" for n in data["notes"]], "</ul>"]
     parts.append("<p class='hidden'>Output on stderr never costs points. Hidden checks show their name, result and "
                  "message only.</p></body></html>")
     return "\n".join(parts)
 
 
-__all__ = ["file_key", "csv_cell", "course_grades", "course_gradebook", "lms_gradebook", "prepare_out_dir", "write_submission", "write_gradebook",
+__all__ = ["file_key", "csv_cell", "course_grades", "course_gradebook", "lms_gradebook", "prepare_out_dir",
+           "write_submission", "write_gradebook",
            "write_records", "read_records_file", "load_results", "result_to_dict",
-           "check_to_dict", "checks_table_html", "feedback_html"]
+           "check_to_dict", "public_message", "redact_paths", "HIDDEN_PUBLIC_TEXT", "checks_table_html",
+           "feedback_html"]
