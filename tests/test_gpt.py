@@ -9,7 +9,7 @@ import torch
 
 from scalelab.errors import SpecError
 from scalelab.launch import launch
-from scalelab.train.gpt import GPT, Throughput, device_peak, flops_per_token, run_held_out_loss
+from scalelab.train.gpt import GPT, Throughput, device_peak, flops_per_token, run_held_out_loss, train_step_fn
 
 from helpers import final_params, tiny
 
@@ -93,6 +93,36 @@ def test_mfu_uses_the_named_peak_and_is_unknown_on_a_cpu(monkeypatch):
     assert fields["peak_tflops"] == 989.0 and "H100" in gpu.peak_source
     assert fields["mfu"] == pytest.approx(model.flops_per_token * 32 * 64 / 0.5 / (989e12 * 2))
     assert Throughput(torch.nn.Linear(2, 2), torch.device("cpu"), "fp32").fields(32, 0.5) == {}
+
+
+def test_the_timed_step_trains_consecutive_batches_the_bench_and_the_ladder_share():
+    """train_step_fn is the one step the GPU check (gpt_bench.measure) and lab 01's ladder (gpt_ladder) time."""
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 256, (6, 16)), torch.randint(0, 256, (6, 16))
+    model, twin = GPT(16, 32, 2, 4), GPT(16, 32, 2, 4)
+    twin.load_state_dict(model.state_dict())
+    step, losses = train_step_fn(model, x, y, 2, lr=1e-2)
+    with torch.no_grad():
+        first = float(torch.nn.functional.cross_entropy(twin(x[:2]).float(), y[:2]))  # before any update
+    for _ in range(4):
+        step()
+    assert len(losses) == 4 and float(losses[0]) == pytest.approx(first, rel=1e-6)
+    # batches 0, 1, 2, then 0 again (wrapped round) after three AdamW steps: that batch's loss fell
+    assert float(losses[3]) < float(losses[0])
+    bf16, bf16_losses = train_step_fn(twin, x, y, 2, precision="bf16")
+    bf16()
+    assert float(bf16_losses[0]) == pytest.approx(first, abs=0.05)  # the same step under bf16 autocast
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        train_step_fn(model, x, y, 2, precision="fp16")
+    with pytest.raises(ValueError, match="batch 8 with 6 windows"):
+        train_step_fn(model, x, y, 8)
+    # the GPU check's fp32 mode and the ladder's first rung train the same steps: the same losses, to the bit
+    from scalelab.experiments.single_device import gpt_ladder
+    from scalelab.train.gpt_bench import measure
+    bench = measure("fp32", torch.device("cpu"), "tiny", 32, 4, steps=2, warmup=1)
+    rung = gpt_ladder("tiny", 32, 4, steps=2, warmup=1, device="cpu", compile_backend="")[0]
+    assert (rung["loss_first"], rung["loss_last"]) == (bench["loss_first"], bench["loss_last"])
+    assert bench["loss_last"] < bench["loss_first"]
 
 
 @pytest.mark.parametrize("changes, field, hint", [

@@ -293,8 +293,7 @@ def gpt_ladder(preset: str = "tiny", seq_len: int = 64, batch: int = 8, steps: i
     device) has `error` and no numbers, and the next rung builds on the one before it."""
     from ..data import pysrc
     from ..run.field_groups import ModelSpec
-    from ..train.gpt import build_gpt, device_peak
-    import torch.nn.functional as F
+    from ..train.gpt import build_gpt, device_peak, train_step_fn
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     total = warmup + steps + 1
     x, y = pysrc.train_samples(batch * total, seq_len, seed)
@@ -307,24 +306,9 @@ def gpt_ladder(preset: str = "tiny", seq_len: int = 64, batch: int = 8, steps: i
         row = {"name": name, **trying, "compile_backend": compile_backend if trying["compile"] else None}
         try:
             model = build_gpt(ModelSpec(name="gpt", preset=preset), seq_len, seed).to(dev)
-            if trying["compile"]:
-                for block in model.blocks:
-                    block.compile(backend=compile_backend)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=trying["fused"] or None)
-            autocast = autocast_for(trying["precision"], dev)
-            losses, at = [], [0]
-
-            def one_step():
-                i = at[0] % total
-                at[0] += 1
-                xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
-                with autocast:
-                    loss = F.cross_entropy(model(xb).float(), yb)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
-
+            one_step, losses = train_step_fn(model, x, y, batch, precision=trying["precision"],
+                                             fused=trying["fused"],
+                                             compile_backend=compile_backend if trying["compile"] else None)
             warm = warmup
             if trying["compile"]:
                 start = time.perf_counter()

@@ -197,6 +197,41 @@ def device_peak(device, precision: str) -> tuple[float | None, str]:
     return None, f"{name} is not in scalelab.train.gpt.PEAK_TFLOPS: MFU unknown"
 
 
+def train_step_fn(model: GPT, x: torch.Tensor, y: torch.Tensor, batch: int, *, precision: str = "fp32",
+                  fused: bool = False, compile_backend: str | None = None, lr: float = 3e-4):
+    """(step, losses): `step()` trains `model` one step on the next `batch` windows of (x ids, y targets), wrapping
+    round, the way the GPU check (gpt_bench) and lab 01's ladder (experiments.single_device.gpt_ladder) time it:
+    next-byte cross-entropy under bf16 autocast ("bf16"; "fp32": none), backward, AdamW at `lr` (`fused`: one kernel
+    for the whole update; otherwise torch's default for the device, for-each on a GPU). `compile_backend`:
+    torch.compile of every block first (the first step compiles). Each step appends its loss, detached, to `losses`
+    (no sync inside the step: read them after the timing)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision {precision!r}: the gpt's timed step runs in 'fp32' or 'bf16'")
+    if batch < 1 or len(x) < batch:
+        raise ValueError(f"batch {batch} with {len(x)} windows: give 1 <= batch <= the windows")
+    if compile_backend:
+        for block in model.blocks:
+            block.compile(backend=compile_backend)
+    # fused=None, not False: False would force the slow per-parameter loop where torch picks for-each by default
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True if fused else None)
+    device_type = next(model.parameters()).device.type
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    batches, losses, at = len(x) // batch, [], [0]
+
+    def step() -> None:
+        i = at[0] % batches
+        at[0] += 1
+        xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+        with autocast:
+            loss = F.cross_entropy(model(xb).float(), yb)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    return step, losses
+
+
 class Throughput:
     """The tokens/s and MFU fields of a gpt run's step events (nothing for the other models).
 
@@ -250,4 +285,4 @@ def run_held_out_loss(run_dir) -> dict:
 
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "build_gpt", "flops_per_token", "PEAK_TFLOPS",
-           "device_peak", "Throughput", "held_out_loss", "run_held_out_loss", "VOCAB"]
+           "device_peak", "train_step_fn", "Throughput", "held_out_loss", "run_held_out_loss", "VOCAB"]

@@ -6,7 +6,7 @@ of the GPU check (tools/gpu_check.sh), written as reference results JSON.
 
 It needs torch and numpy only (no launcher, no Jupyter, no YAML): one process trains the model in a plain loop
 the way the engine's loop does (AdamW, fused on a GPU; autocast for bf16; next-byte cross-entropy on windows of
-the Python sources, data/pysrc.py), and times `--steps` steps after `--warmup` untimed ones (the first steps pay
+the Python sources, data/pysrc.py; the step is gpt.train_step_fn, the one lab 01's ladder times too), and times `--steps` steps after `--warmup` untimed ones (the first steps pay
 for kernel selection, the allocator's growth and, with compile, the compilation: that time is reported apart).
 On a GPU every timed region ends in a synchronize, so the clock sees the kernels finish, not just their launch.
 """
@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..data import pysrc
 from ..run.field_groups import ModelSpec
-from .gpt import GPT, build_gpt, device_peak
+from .gpt import GPT, build_gpt, device_peak, train_step_fn
 
 MODES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16-compile": ("bf16", True)}
 """mode -> (precision, torch.compile of each block)."""
@@ -74,29 +73,19 @@ def measure(mode: str, device: torch.device, preset: str, seq_len: int, batch: i
     """Train the preset for warmup + steps steps in `mode`; tokens/s, MFU, step time and memory of the timed steps."""
     precision, compiled = MODES[mode]
     model: GPT = build_gpt(ModelSpec(name="gpt", preset=preset), seq_len, seed).to(device)
-    if compiled:
-        for block in model.blocks:
-            block.compile(backend=compile_backend)
     fused = device.type == "cuda"  # one kernel for the whole update instead of a few per parameter
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=fused)
     x, y = pysrc.train_samples(batch * (warmup + steps), seq_len, seed)
-    x, y = x.to(device), y.to(device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    step, losses = train_step_fn(model, x.to(device), y.to(device), batch, precision=precision, fused=fused,
+                                 compile_backend=compile_backend if compiled else None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses, started = [], time.perf_counter()
+    started = time.perf_counter()
     timed_from = None
-    for step in range(warmup + steps):
-        if step == warmup:
+    for n in range(warmup + steps):
+        if n == warmup:
             _sync(device)
             timed_from = time.perf_counter()
-        xb, yb = x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch]
-        with autocast:
-            loss = F.cross_entropy(model(xb).float(), yb)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        step()
     _sync(device)
     end = time.perf_counter()
     timed_s = end - timed_from
