@@ -224,12 +224,13 @@ def apply_settings(c, cfg: Mapping, passwords: Mapping | None = None) -> None:
 
 def update_dashboard(c, cfg: Mapping) -> None:
     """The class dashboard (scalelab.hub.dashboard) as a hub-managed service: its token may only read users and
-    servers; hub admins and dashboard.instructors may open it (access:services!service=dashboard), nobody else."""
+    servers; hub admins, dashboard.instructors and dashboard.tas may open it (access:services!service=dashboard),
+    nobody else (what a TA sees and may do there: scalelab.hub.dashboard)."""
     from .settings import ENV_OVERRIDES, ENV_SETTINGS
     dash = cfg["dashboard"]
     services = [s for s in (c.JupyterHub.get("services") or []) if s.get("name") != "dashboard"]
     roles = [r for r in (c.JupyterHub.get("load_roles") or [])
-             if r.get("name") not in ("dashboard", "course-instructors")]
+             if r.get("name") not in ("dashboard", "course-instructors", "course-tas")]
     if dash["enabled"]:
         env = {k: os.environ[k] for k in (ENV_SETTINGS, ENV_OVERRIDES, "PATH", "LANG") if k in os.environ}
         services.append({"name": "dashboard", "url": f"http://{cfg['hub']['hub_ip']}:{dash['port']}",
@@ -239,6 +240,9 @@ def update_dashboard(c, cfg: Mapping) -> None:
         if dash["instructors"]:
             roles.append({"name": "course-instructors", "scopes": ["access:services!service=dashboard"],
                           "users": list(dash["instructors"])})
+        if dash["tas"]:  # the same door; the service itself keeps them to the students and to reading
+            roles.append({"name": "course-tas", "scopes": ["access:services!service=dashboard"],
+                          "users": list(dash["tas"])})
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
 

@@ -5,9 +5,16 @@
     <hub>/services/dashboard/api/class   the same, as JSON
 
 The hub starts it (`python -m scalelab.hub.dashboard`, settings `dashboard:`) and signs people in through OAuth. Only
-hub admins and the names in `dashboard.instructors` hold the scope `access:services!service=dashboard`; a
-student gets 403 from the hub before the page runs any code for them, and the page checks again. The service's own
-token may list users and read their servers, nothing else (`hub.config.DASHBOARD_SCOPES`).
+hub admins and the names in `dashboard.instructors` and `dashboard.tas` hold the scope
+`access:services!service=dashboard`; a student gets 403 from the hub before the page runs any code for them, and the
+page checks again. The service's own token may list users and read their servers, nothing else
+(`hub.config.DASHBOARD_SCOPES`).
+
+Teaching assistants (`dashboard.tas`) see the course's students (`course_students`: the class list less the staff)
+and nothing else: no admin, instructor or other TA, no hub user outside the class list, no admin flag. They may look,
+never act: every request of theirs but GET and HEAD gets 403 here, whatever handler it is for (an action added to
+this service later included), and the hub itself gives them no scope on other users (they are plain users there).
+A name listed both as a TA and as an instructor or admin is treated as the latter.
 
 Progress is what SelfCheck would show the student: the lab's *public* checks run on the records saved in the
 student's copy of the lab (`<home>/<labs.dest>/<lab>/lab.ipynb`) and the evidence of the runs beside it. Homes are
@@ -147,8 +154,29 @@ def slurm_jobs(cfg: dict) -> dict[str, dict]:
     return jobs
 
 
-def class_snapshot(cfg: dict, users: list[dict]) -> dict:
-    """Everything the page shows, from the settings and the hub's user models (`GET /hub/api/users`)."""
+def viewer_role(cfg: dict, user: dict) -> str | None:
+    """"instructor" (a hub admin or in dashboard.instructors), "ta" (in dashboard.tas), or None: not for them."""
+    name = user.get("name")
+    if user.get("admin") or name in cfg["hub"]["admin_users"] or name in cfg["dashboard"]["instructors"]:
+        return "instructor"
+    return "ta" if name in cfg["dashboard"]["tas"] else None
+
+
+def course_students(cfg: dict, users: list[dict]) -> list[dict]:
+    """The hub users who are the course's students: on the class list (auth.allowed_users and the roster; anyone
+    when the hub lets any name sign in and lists none) and not staff (admin, instructor, TA)."""
+    staff = {*cfg["hub"]["admin_users"], *cfg["dashboard"]["instructors"], *cfg["dashboard"]["tas"]}
+    listed = set(cfg["auth"]["allowed_users"])
+    open_class = not listed and bool(cfg["auth"].get("any_name"))
+    return [u for u in users if not u.get("admin") and u.get("name") not in staff
+            and (u.get("name") in listed or open_class)]
+
+
+def class_snapshot(cfg: dict, users: list[dict], role: str = "instructor") -> dict:
+    """Everything the page shows, from the settings and the hub's user models (`GET /hub/api/users`); for a TA
+    (`role` "ta") the course's students only (`course_students`), without admin flags."""
+    if role == "ta":
+        users = [{**u, "admin": False} for u in course_students(cfg, users)]
     source = resolve_source(cfg["labs"]["source"])
     labs = find_labs(source) if source else []
     jobs = slurm_jobs(cfg)
@@ -168,7 +196,7 @@ def class_snapshot(cfg: dict, users: list[dict]) -> dict:
                      "progress": progress, "grades": grades_for(cfg["dashboard"]["grades"], [x.name for x in labs],
                                                                  name)})
     return {"course": cfg["course"]["name"], "labs": [lab.name for lab in labs], "students": rows,
-            "generated_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "generated_at": time.strftime("%Y-%m-%d %H:%M:%S"), "view": role}
 
 
 _STYLE = """body{font:14px/1.4 system-ui,sans-serif;margin:1.5rem;color:#222}table{border-collapse:collapse}
@@ -203,6 +231,8 @@ def render_page(snap: dict) -> str:
             f"<style>{_STYLE}</style></head><body><h1>Class dashboard</h1><p>{e(snap['course'])}: "
             f"{len(snap['students'])} students, as of {e(snap['generated_at'])}. Progress is the lab's public "
             "self-checks on each student's saved notebook.</p>"
+            + ("<p id='view'>Teaching assistant's view: the course's students only, read-only.</p>"
+               if snap.get("view") == "ta" else "") +
             f"<table id='class'><thead><tr><th>student</th><th>server</th>{head}</tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></body></html>")
 
@@ -216,24 +246,37 @@ def make_app(cfg: dict):
     from tornado import web
     from tornado.httpclient import AsyncHTTPClient
 
-    instructors = set(cfg["dashboard"]["instructors"])
-
     class Base(HubOAuthenticated, web.RequestHandler):
-        def allowed(self, user: dict) -> bool:
-            return bool(user.get("admin")) or user.get("name") in instructors
+        role: str | None = None
+        _asked = False
+
+        def check_xsrf_cookie(self):
+            # tornado checks XSRF before prepare(); learn who asks first, so that a request carrying a hub token
+            # (no cookie, so no cross-site forgery) reaches the role gate instead of failing on a missing form field
+            if not self._asked:
+                self._asked = True
+                self.current_user  # noqa: B018 - sets the hub's token-authenticated flag
+            return super().check_xsrf_cookie()
 
         async def snapshot(self) -> dict:
             api = os.environ["JUPYTERHUB_API_URL"].rstrip("/")
             token = os.environ["JUPYTERHUB_API_TOKEN"]
             r = await AsyncHTTPClient().fetch(f"{api}/users", headers={"Authorization": f"token {token}"})
-            return await asyncio.to_thread(class_snapshot, cfg, json.loads(r.body))
+            return await asyncio.to_thread(class_snapshot, cfg, json.loads(r.body), self.role or "instructor")
 
         async def prepare(self):
             user = self.current_user
-            if user is None:
-                return  # @web.authenticated sends them to the hub's sign-in
-            if not self.allowed(user):
+            if user is None and self.request.method in ("GET", "HEAD"):
+                return  # @web.authenticated sends them to the hub's sign-in (403 for a signed-in student)
+            if user is None:  # an action by someone not signed in, or not allowed in (a student's token)
                 raise web.HTTPError(403, "the class dashboard is for the course's instructors")
+            self.role = viewer_role(cfg, user)
+            if self.role is None:
+                raise web.HTTPError(403, "the class dashboard is for the course's instructors")
+            if self.role == "ta" and self.request.method not in ("GET", "HEAD"):
+                # checked here, before any handler runs: an action added later is closed to TAs too
+                raise web.HTTPError(403, f"{user.get('name')} is a TA: the dashboard is read-only for TAs",
+                                    reason="Forbidden: teaching assistants may look, not act")
 
     class Page(Base):
         @web.authenticated
@@ -247,10 +290,18 @@ def make_app(cfg: dict):
             self.set_header("Content-Type", "application/json")
             self.finish(json.dumps(await self.snapshot()))
 
+    class Missing(Base):
+        """Any other path under the service: 404 to readers, and a TA's action there meets the gate (403) first."""
+
+        @web.authenticated
+        async def get(self):
+            raise web.HTTPError(404)
+
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE}/")
     return web.Application([
         (prefix, Page), (url_path_join(prefix, "api/class"), Api),
         (url_path_join(prefix, "oauth_callback"), HubOAuthCallbackHandler),
+        (url_path_join(prefix, ".*"), Missing),  # last: the routes above win
     ], cookie_secret=os.urandom(32), xsrf_cookies=True)
 
 
