@@ -173,3 +173,18 @@ def test_the_real_grader_keeps_a_hidden_checks_source_out_of_the_feedback(tmp_pa
         assert "def leaks_source" not in text and "SECRET-HIDDEN-CHECK-MARKER" not in text and str(lab) not in text
     assert "check raised RuntimeError (a hidden check" in page and "loss_matches_the_run" in page
     assert [c.name for c in result.checks if c.outcome == "error"] == ["leaks_source"]  # the others ran as always
+
+
+@pytest.mark.parametrize("message,shown", [
+    ("raise the learning rate: the loss did not fall", True),   # plain words that start like a keyword
+    ("import the data before timing it", True),
+    ("@rank 0 the loss diverged", True),
+    ("@check(points=1)\ndef rule(r):\n    assert r['w'] > 0.8731", False),
+    ('"""Hidden checks."""\nimport math\n\nLIMIT = 0.8731', False),  # a whole file read into the message
+    ("class Rule:\n    limit = 0.8731", False),
+    ('  File "/srv/labs/01/hidden_checks.py", line 9, in rule', False),
+])
+def test_a_hidden_message_is_withheld_only_when_it_carries_code(message, shown):
+    from scalelab.grade.report import public_message
+    got = public_message({"hidden": True, "outcome": "fail", "message": message})
+    assert (got == message) is shown and (got == HIDDEN_PUBLIC_TEXT) is not shown, got

@@ -147,10 +147,10 @@ def test_a_result_the_grader_failed_on_is_a_blank_cell_and_reported(course, caps
 
 def test_a_canvas_export_with_a_bom_serves_as_the_roster_through_login_column(course, capsys):
     roster = course["tmp"] / "canvas_export.csv"
-    _write_roster(roster, [[*CANVAS_HEAD, "Lab X (77)"], ["    Points Possible", "", "", "", "", "10"],
-                           ["Smith, Alice", "101", "S001", "alice", "A", "3"],
-                           ["Jones, Bob", "102", "S002", "bob", "A", ""],
-                           ["Wu, Carol", "103", "S003", "carol", "B", ""]], bom=True)
+    _write_roster(roster, [[*CANVAS_HEAD, "Lab X (77)", "Notes"], ["    Points Possible", "", "", "", "", "10", ""],
+                           ["Smith, Alice", "101", "S001", "alice", "A", "3", "=not read"],
+                           ["Jones, Bob", "102", "S002", "bob", "A", "-", "line one\nline two"],
+                           ["Wu, Carol", "103", "S003", "carol", "B", "", ""]], bom=True)
     code, path, err = _run(capsys, "--grades", str(course["grades"]), "--format", "canvas", "--roster",
                            str(roster), "--login-column", "SIS Login ID")
     assert code == 0, err

@@ -31,6 +31,7 @@ is refused when the roster is read, since no LMS issues one and a changed identi
 from __future__ import annotations
 
 import csv
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +99,7 @@ def read_lms_roster(path: str | os.PathLike, login_column: str = "login") -> dic
         why = e.strerror if isinstance(e, OSError) else "it is not UTF-8 text"
         raise GradingError(f"--roster {path}: cannot read it ({why}); give a CSV with a header row, a "
                            f"{login_column!r} column of hub login names and the LMS's identity columns") from None
-    reader = csv.reader(text.splitlines())
+    reader = csv.reader(io.StringIO(text, newline=""))  # a quoted cell may hold a line break
     header = [h.strip() for h in next(reader, [])]
     if login_column not in header:
         raise GradingError(f"--roster {path}: no {login_column!r} column in the header {header[:12]}; add a column "
@@ -116,11 +117,17 @@ def read_lms_roster(path: str | os.PathLike, login_column: str = "login") -> dic
         if login in roster:
             raise GradingError(f"--roster {path}, line {number}: {login!r} is listed twice; keep one line")
         for column, value in entry.items():
-            if column != "Student" and value.startswith(FORMULA_START):
+            if _identifier(column, login_column) and value.startswith(FORMULA_START):
                 raise GradingError(f"--roster {path}, line {number}: {column} {value[:40]!r} starts like a "
                                    "spreadsheet formula (= + - @); no LMS issues such an identifier: fix the roster")
         roster[login] = entry
     return roster
+
+
+def _identifier(column: str, login_column: str) -> bool:
+    """Whether the roster's `column` identifies a student (the other columns of an LMS export are not read)."""
+    return (column in (login_column, *CANVAS_MATCH)
+            or column.lower() in {a for aliases, _ in MOODLE_IDS.values() for a in aliases})
 
 
 def lms_rows(fmt: str, course: CourseGrades, roster: dict[str, dict[str, str]], *, moodle_id: str = "email",

@@ -70,8 +70,9 @@ def prepare_out_dir(out: Path, private: bool = False) -> None:
 #: What a student reads of a hidden check whose message is withheld (the grader's own text for a bare assert).
 HIDDEN_PUBLIC_TEXT = "not met (a hidden check: its rule is not shown)"
 _MESSAGE_MAX = 1000
-_CODE = re.compile(r'Traceback \(most recent call last\)|\bFile "[^"\n]*", line \d+|^\s*(?:async\s+def|def|class)\s+\w+'
-                   r'|^\s*@\w[\w.]*|^\s*(?:import\s+\w|from\s+[.\w]+\s+import\b)|^\s*(?:return|raise|assert)\b', re.M)
+_CODE = re.compile(r'Traceback \(most recent call last\)|\bFile "[^"\n]*", line \d+'
+                   r'|^\s*(?:async\s+)?def\s+\w+\s*\(|^\s*class\s+\w+\s*[:(]|^\s*@\w[\w.]*\s*(?:\(|$)'
+                   r'|^\s*import\s+[\w.]+\s*(?:,|\bas\b|$)|^\s*from\s+[.\w]+\s+import\s+\w', re.M)
 # An absolute path: a / not inside a word, a URL or a relative path, then at least two parts.
 _ABS_PATH = re.compile(r'(?<![\w.~/-])/(?:[^\s/\'"`<>:,;()\[\]{}|]+/)+([^\s/\'"`<>:,;()\[\]{}|]*)')
 
