@@ -63,15 +63,6 @@ def test_a_tas_snapshot_holds_the_course_students_only(cfg):
 
 # -- on a real hub -------------------------------------------------------------------------------------------------
 
-def _session(hub: HubRunner, name: str) -> requests.Session:
-    s = requests.Session()
-    s.get(f"{hub.url}/hub/login", timeout=30)
-    r = s.post(f"{hub.url}/hub/login", data={"username": name, "password": hub.password_of(name),
-                                             "_xsrf": s.cookies.get("_xsrf", "")}, allow_redirects=False, timeout=30)
-    assert r.status_code == 302, (r.status_code, hub.log_tail())
-    return s
-
-
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     work = tmp_path_factory.mktemp("hub-ta")
@@ -108,7 +99,7 @@ def _names(data: dict) -> set[str]:
 @pytest.mark.slow
 def test_a_ta_sees_the_course_students_and_nothing_else(hub, people):
     u = hub.user
-    ta = _session(hub, u("tom"))
+    ta = hub.login("tom").session
     page = ta.get(_dash(hub), timeout=60)
     assert page.status_code == 200, (page.status_code, page.text[:300], hub.log_tail())
     assert "Teaching assistant's view" in page.text
@@ -118,7 +109,7 @@ def test_a_ta_sees_the_course_students_and_nothing_else(hub, people):
     for other in ("prof", "ina", "tom", "tia", "gone"):
         assert f"<td>{u(other)}</td>" not in page.text and f"<td>{u(other)} (admin)</td>" not in page.text
     # the control: the instructor's view of the same hub holds everyone
-    full = _session(hub, u("ina")).get(_dash(hub) + "api/class", timeout=60).json()
+    full = hub.login("ina").session.get(_dash(hub) + "api/class", timeout=60).json()
     assert {u(n) for n in ("ann", "ben", "ina", "tom", "tia", "prof", "gone")} <= _names(full)
 
 
@@ -137,7 +128,7 @@ def test_a_ta_gets_403_on_every_dashboard_action_by_token_and_by_cookie(hub, peo
     r = requests.post(_dash(hub) + "api/class", headers={"Authorization": f"token {ina.token}"}, timeout=30)
     assert r.status_code == 405, (r.status_code, r.reason)
     # by cookie, with the dashboard's own XSRF token (what a page's form would send)
-    ta = _session(hub, hub.user("tom"))
+    ta = hub.login("tom").session
     assert ta.get(_dash(hub), timeout=60).status_code == 200
     xsrf = next((c.value for c in ta.cookies if c.name == "_xsrf" and c.path.startswith("/services/dashboard")),
                 None)
@@ -167,9 +158,8 @@ def test_a_ta_cannot_act_on_students_through_the_hub(hub, people):
 @pytest.mark.slow
 def test_a_student_can_neither_read_nor_act_on_the_dashboard(hub, people):
     ann = people["ann"]
-    for who in (_session(hub, hub.user("ann")),):
-        r = who.get(_dash(hub), timeout=60)
-        assert r.status_code == 403 and "table id='class'" not in r.text, (r.status_code, r.url)
+    r = ann.session.get(_dash(hub), timeout=60)  # signed in by cookie, as in a browser
+    assert r.status_code == 403 and "table id='class'" not in r.text, (r.status_code, r.url)
     for method in ("GET", "POST"):
         r = requests.request(method, _dash(hub) + "api/class", headers={"Authorization": f"token {ann.token}"},
                              timeout=30, allow_redirects=False)
