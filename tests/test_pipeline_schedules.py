@@ -129,17 +129,6 @@ def todo(stage, stages, micro):
     assert not (tmp_path / "runs").exists()
 
 
-def test_torchs_interleaved_1f1b_trains_like_its_1f1b_and_the_unsplit_model():
-    """ScheduleInterleaved1F1B needs several chunks per rank (the engine's pp keeps one contiguous stage per rank):
-    the SPMD experiment cuts the MLP into 2 x 2 chunks, rank r holding chunks r and r + 2."""
-    from scalelab import run_spmd
-    ranks = run_spmd("scalelab.experiments.model_parallel:torch_interleaved_check", world=2, timeout=240)
-    for r in ranks:
-        assert r["interleaved_losses"] == pytest.approx(r["one_f_one_b_losses"], rel=1e-5)
-        assert r["interleaved_losses"] == pytest.approx(r["serial_losses"], rel=1e-5)
-        assert r["interleaved_activation_peak_bytes"] > 0 and r["one_f_one_b_activation_peak_bytes"] > 0
-
-
 def test_torchs_interleaved_schedule_runs_two_chunks_per_rank_in_the_engine_to_gpipes_losses(tmp_path):
     """pipeline.schedule = torch-interleaved: the MLP cut into 2 ranks x 2 chunks (rank r holds chunks r and r + 2,
     pipeline.hold_chunks), torch's ScheduleInterleaved1F1B over them: the losses of torch's GPipe on one stage per

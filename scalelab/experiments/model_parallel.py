@@ -12,11 +12,10 @@
 - `pipeline_measure`: the MLP cut into one stage per rank, trained a few steps with a GPipe or 1F1B schedule;
   bubble fraction measured from each stage's compute timeline against (p-1)/(m+p-1), activations held, and the
   losses of the same steps trained unsplit on one process.
-- `torch_interleaved_check`: torch.distributed.pipelining's ScheduleInterleaved1F1B (several chunks per rank,
-  the engine's strategies keep one contiguous stage per rank) against its Schedule1F1B and the unsplit model.
 - `pipeline_schedule_runs`: engine runs (strategy pp) of the same model under several pipeline schedules (the
-  engine's, torch.distributed.pipelining's, a student's module:function), each stage's peak activation bytes and
-  operations and the bubble read from the runs' `pipeline` events.
+  engine's, torch.distributed.pipelining's — torch-interleaved: several chunks per rank —, a student's
+  module:function), each stage's peak activation bytes and operations and the bubble read from the runs'
+  `pipeline` events.
 - `layout_runs`: engine runs of one spec (the gpt, say) under several strategies one after another (DDP, FSDP,
   FSDP with CPU offload, tensor and pipeline parallel): losses, tokens/s and what rank 0 holds, from their events.
 - `reshard_save` / `reshard_restore`: an FSDP-sharded model and its Adam state saved with
@@ -199,60 +198,6 @@ def pipeline_measure(schedule: str = "gpipe", micro: int = 4, steps: int = 3, wi
                activation_bytes_per_micro=int(torch.Size(shape).numel()) * 4,
                measured_bubble=min(out["bubble"][1:] or out["bubble"]),
                measured_wall_bubble=_median(out["wall_bubble"][1:] or out["wall_bubble"]))
-    return out
-
-
-def torch_interleaved_check(micro: int = 4, virtual: int = 2, steps: int = 2, width: int = 64, depth: int = 4,
-                            batch: int = 32, seed: int = 0, lr: float = 0.05) -> dict:
-    """torch.distributed.pipelining's ScheduleInterleaved1F1B against its Schedule1F1B and the unsplit model: the
-    engine's MLP cut into world x `virtual` chunks; interleaved, rank r holds chunks r, r + world, ... (each a
-    PipelineStage of its own: activations go round the ranks `virtual` times); 1F1B, rank r holds one contiguous
-    stage. `steps` SGD steps each, from the same weights and batches. Returns this rank's losses under both, the
-    unsplit model's, and the activation bytes each schedule held at once on this rank (`LiveSavedBytes`, over all
-    its chunks)."""
-    from torch.distributed import pipelining
-    from ..train.pipeline import LiveSavedBytes, balanced_cuts
-    rank, world = dist.get_rank(), dist.get_world_size()
-    serial = _mlp(width, depth, seed=seed)
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in serial.net]
-    out = {"rank": rank, "world": world, "virtual": virtual, "micro": micro, "serial_losses": []}
-
-    def train(name, chunks_of_rank, cuts, make_schedule):
-        model = _mlp(width, depth, seed=seed).net
-        mine = [model[cuts[c]:cuts[c + 1]] for c in chunks_of_rank]
-        stages = [pipelining.PipelineStage(m, c, len(cuts) - 1, torch.device("cpu"))
-                  for m, c in zip(mine, chunks_of_rank)]
-        schedule = make_schedule(stages)
-        opt = torch.optim.SGD([p for m in mine for p in m.parameters()], lr=lr)
-        losses, peak = [], 0
-        first, last = 0 in chunks_of_rank, len(cuts) - 2 in chunks_of_rank
-        for step in range(steps):
-            x, y = _batch(batch, seed=100 + step)
-            got: list = []
-            with LiveSavedBytes(model) as live:
-                schedule.step(*([x] if first else []), **({"target": y, "losses": got} if last else {}))
-            peak = max(peak, live.peak)
-            total = torch.tensor([sum(float(v) for v in got) / micro if last else 0.0], dtype=torch.float64)
-            dist.all_reduce(total)  # the loss lives on the rank of the last chunk
-            losses.append(float(total))
-            opt.step()
-            opt.zero_grad()
-        out[f"{name}_losses"], out[f"{name}_activation_peak_bytes"] = losses, peak
-
-    cuts = balanced_cuts(sizes, world * virtual)
-    train("interleaved", list(range(rank, world * virtual, world)), cuts,
-          lambda stages: pipelining.ScheduleInterleaved1F1B(stages, micro, loss_fn=F.cross_entropy))
-    cuts = balanced_cuts(sizes, world)
-    train("one_f_one_b", [rank], cuts,
-          lambda stages: pipelining.Schedule1F1B(stages[0], micro, loss_fn=F.cross_entropy))
-    opt = torch.optim.SGD(serial.parameters(), lr=lr)
-    for step in range(steps):
-        x, y = _batch(batch, seed=100 + step)
-        loss = F.cross_entropy(serial(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["serial_losses"].append(float(loss))
     return out
 
 
@@ -458,4 +403,4 @@ def _digest(flat: dict) -> dict:
 
 
 __all__ = ["tensor_parallel_check", "dtensor_parallel_check", "mesh_2d_state", "pipeline_measure", "pipeline_figure",
-           "pipeline_schedule_runs", "torch_interleaved_check", "reshard_save", "reshard_restore"]
+           "pipeline_schedule_runs", "reshard_save", "reshard_restore"]
