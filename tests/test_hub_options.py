@@ -191,3 +191,88 @@ def test_batch_script_refuses_a_tampered_profile():
     p = Profile(name="x", display_name="X", partition="cpu\n#SBATCH --exclusive", walltime="1:00:00")
     with pytest.raises(ValueError, match="partition"):
         render(resolve_options({}, [p]))
+
+
+# -- what the form and the pending page say about the queue (scalelab.hub.queue): counts and times only ---------
+
+# `sinfo -h -N -O queue.SINFO_FIELDS` on the 2-node namespace cluster (2 stand-in GPUs per node, gres.conf File=):
+# node1 runs a 1-GPU job, node2 is in a whole-node reservation and idle; plus a drained node and a DOWN partition.
+SINFO_2NODES = """\
+node1|cpu|up|mixed|gpu:2|gpu:1(IDX:0)|1/3/0/4|
+node2|cpu|up|reserved|gpu:2|gpu:0|0/4/0/4|
+node1|gpu|up|mixed|gpu:2|gpu:1(IDX:0)|1/3/0/4|
+node2|gpu|up|reserved|gpu:2|gpu:0|0/4/0/4|
+node3|gpu|up|drained|gpu:a100:4(S:0-1)|gpu:a100:0|0/0/8/8|
+node1|closed|down|mixed|gpu:2|gpu:1(IDX:0)|1/3/0/4|
+"""
+RESERVATIONS = (
+    "ReservationName=class StartTime=2026-11-27T08:00:00 EndTime=2026-11-27T10:00:00 Duration=02:00:00 "
+    "Nodes=node[2-3] NodeCnt=2 CoreCnt=12 Features=(null) PartitionName=gpu Flags=SPEC_NODES "
+    "TRES=cpu=12,gres/gpu=6 Users=(null) Groups=(null) Accounts=course State=ACTIVE BurstBuffer=(null)\n"
+    "ReservationName=later StartTime=2026-11-28T08:00:00 EndTime=2026-11-28T10:00:00 Duration=02:00:00 "
+    "Nodes=node1 NodeCnt=1 CoreCnt=4 Features=(null) PartitionName=(null) Flags= TRES=cpu=4 Users=root "
+    "Groups=(null) Accounts=(null) State=INACTIVE BurstBuffer=(null)\n")
+
+
+def test_partition_counts_free_nodes_cpus_and_gpus_of_usable_nodes_only():
+    from scalelab.hub.queue import parse_sinfo, partition_free
+    parts = parse_sinfo(SINFO_2NODES + "garbage line\n")
+    assert sorted(parts) == ["closed", "cpu", "gpu"]
+    # node2 is held by a reservation (free only to it), node3 drained: neither counts as free now
+    assert partition_free(parts["gpu"]).text() == "0/3 nodes, 3/16 CPUs, 1/8 GPUs free"
+    assert partition_free(parts["cpu"]).text() == "0/2 nodes, 3/8 CPUs, 1/4 GPUs free"
+    assert partition_free(parts["closed"]).text() == "0/1 nodes, 0/4 CPUs, 0/2 GPUs free"
+
+
+def test_reservation_counts_what_its_nodes_have_free_up_to_its_size():
+    from scalelab.hub.queue import expand_hostlist, parse_reservations, parse_sinfo, reservation_free
+    assert expand_hostlist("n[01-03,7],gpu1,x[2]") == ["n01", "n02", "n03", "n7", "gpu1", "x2"]
+    assert expand_hostlist("(null)") == []
+    resv = parse_reservations(RESERVATIONS)
+    assert resv["class"].nodes == ("node2", "node3") and (resv["class"].cpus, resv["class"].gpus) == (12, 6)
+    parts = parse_sinfo(SINFO_2NODES)
+    # node2 idle in the reservation (4 CPUs, 2 GPUs); node3 is drained; totals are the reservation's own
+    assert reservation_free(resv["class"], parts["gpu"]).text() == "1/2 nodes, 4/12 CPUs, 2/6 GPUs free"
+    assert not resv["later"].active
+    assert reservation_free(resv["later"], parts["cpu"]).text() == "0/1 nodes, 0/4 CPUs, 0/2 GPUs free"
+    assert parse_reservations("No reservations in the system") == {}
+
+
+def test_profile_lines_say_now_and_in_the_reservation_or_why_not():
+    from scalelab.hub.queue import Snapshot, parse_reservations, parse_sinfo
+    snap = Snapshot(taken=0, partitions=parse_sinfo(SINFO_2NODES), reservations=parse_reservations(RESERVATIONS))
+    assert snap.profile_lines("gpu", "class") == ["Free now on partition gpu: 0/3 nodes, 3/16 CPUs, 1/8 GPUs free",
+                                                  "In reservation class: 1/2 nodes, 4/12 CPUs, 2/6 GPUs free"]
+    assert snap.profile_lines("cpu", "later")[1] == ("In reservation later: 0/1 nodes, 0/4 CPUs, 0/2 GPUs free "
+                                                     "(it starts 2026-11-28T08:00:00)")
+    assert snap.profile_lines("closed", "")[0].endswith("(the partition is not taking jobs)")
+    assert snap.profile_lines("nope", "gone") == ["Free now on partition nope: no nodes (partition not found)",
+                                                  "In reservation gone: not found on the cluster"]
+    assert Snapshot(taken=0, partitions=None, error="x").profile_lines("gpu", "class") == \
+        ["Free now: unknown (Slurm did not answer)"]
+    assert Snapshot(taken=0, partitions=parse_sinfo(SINFO_2NODES), reservations=None).profile_lines(
+        "gpu", "class")[1] == "In reservation class: unknown (Slurm did not answer)"
+
+
+def test_pending_place_is_by_priority_then_submission_within_the_partition():
+    from scalelab.hub.queue import pending_place
+    text = ("31|gpu|100|2026-11-27T09:00:00\n30|gpu|100|N/A\n29|cpu|500|N/A\n33|gpu,cpu|900|N/A\n"
+            "32|gpu|50|2026-11-27T11:00:00\n")
+    place = pending_place(text, "31")
+    assert (place.position, place.waiting, place.partition, place.start) == (3, 4, "gpu", "2026-11-27T09:00:00")
+    assert place.text() == "position 3 of 4 waiting in partition gpu; expected start 2026-11-27T09:00:00"
+    assert pending_place(text, "30").text() == \
+        "position 2 of 4 waiting in partition gpu; no expected start from Slurm yet"
+    assert pending_place(text, "29").position == 2  # job 33 (also in cpu, higher priority) is ahead
+    assert pending_place(text, "99") is None
+
+
+def test_form_shows_queue_lines_escaped_under_each_profile():
+    ps = profiles()
+    lines = {"cpu-2h": ["Free now on partition cpu: 1/1 nodes, 2/2 CPUs free (no GPUs)",
+                        "In reservation r<script>alert(1)</script>: unknown"]}
+    html = options_form_html(ps, "cpu-2h", queue=lines, queue_time="04:05:06")
+    assert "Free now on partition cpu: 1/1 nodes, 2/2 CPUs free (no GPUs)" in html
+    assert "<script>" not in html and "r&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "as Slurm counted them at 04:05:06" in html
+    assert "Free now" not in options_form_html(ps, "cpu-2h")  # no view (local mode): nothing said

@@ -282,11 +282,22 @@ def options_from_form(formdata: Mapping[str, list[str]]) -> dict:
     return out
 
 
+def _queue_html(lines: Iterable[str]) -> str:
+    lines = list(lines)
+    if not lines:
+        return ""
+    return '<br><small class="scalelab-queue">' + "<br>".join(html.escape(str(line)) for line in lines) + "</small>"
+
+
 def options_form_html(profiles: Iterable[Profile], default_profile: str = "",
-                      unavailable: Iterable[str] | Mapping[str, str] = ()) -> str:
+                      unavailable: Iterable[str] | Mapping[str, str] = (),
+                      queue: Mapping[str, list[str]] | None = None, queue_time: str = "") -> str:
     """The spawn form: one radio button per profile (one this cluster cannot give disabled, with why), and a
-    walltime choice within the profile's limit."""
+    walltime choice within the profile's limit. `queue`: profile name -> lines on what its partition and
+    reservation have free now (`scalelab.hub.queue.profile_queue_lines`; counts only), shown under it, with
+    `queue_time` (when Slurm was asked). Every text from the settings or from Slurm is escaped."""
     unavailable = unavailable if isinstance(unavailable, Mapping) else set(unavailable)
+    queue = queue or {}
     profiles = list(profiles)
     default = default_profile or (profiles[0].name if profiles else "")
     rows = []
@@ -299,11 +310,13 @@ def options_form_html(profiles: Iterable[Profile], default_profile: str = "",
             f'<div class="radio"><label><input type="radio" name="profile" value="{esc(p.name)}"{checked}'
             f'{" disabled" if off else ""}> <strong>{esc(p.display_name)}</strong>{esc(note)}'
             f'<br><small>{esc(p.description)} — partition {esc(p.partition)}, up to {esc(p.walltime)}'
-            f"</small></label></div>")
+            f"</small>{_queue_html(queue.get(p.name, ()))}</label></div>")
+    when = (f'<p class="scalelab-queue-time"><small>Free nodes, CPUs and GPUs as Slurm counted them at '
+            f'{html.escape(queue_time)}; reload the page to count again.</small></p>') if queue and queue_time else ""
     times = "".join(f'<option value="{format_walltime(s)}">{format_walltime(s)}</option>' for s in FORM_WALLTIMES)
     return (
         '<div class="form-group"><p>Choose the resources for your JupyterLab session:</p>'
-        + "".join(rows)
+        + "".join(rows) + when
         + '</div><div class="form-group"><label for="scalelab-walltime">Time limit</label>'
         '<select class="form-control" name="walltime" id="scalelab-walltime">'
         '<option value="" selected>the profile\'s full time</option>' + times + "</select>"

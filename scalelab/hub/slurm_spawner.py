@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import shlex
@@ -36,6 +37,7 @@ from .batch import default_template_path, render_batch_script
 from .course_spawner import CourseSpawner
 from .options import (OptionError, check_student_total, options_form_html, options_from_form, partition_gpus,
                       profiles_from_settings, resolve_options, unavailable_reasons)
+from .queue import QueueView, profile_queue_lines
 
 install_port_handler()
 
@@ -63,9 +65,10 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
     batch_template = Unicode(help="Path of the batch script template (jinja2).").tag(config=True)
     singleuser_wrapper = List(Unicode(), help="Command that reports the port, then runs the server "
                               "(scalelab.hub.singleuser).").tag(config=True)
+    queue_cache_s = Float(5.0, help="Seconds the hub's one view of the queue (sinfo, reservations, pending jobs) "
+                          "is reused by every spawn form and pending page before Slurm is asked again."
+                          ).tag(config=True)
     log_tail_lines = 25
-
-    _partitions_cache: tuple[float, dict[str, list[dict[str, int]]] | None] = (0.0, None)
 
     @default("exec_prefix")
     def _exec_prefix_default(self):
@@ -101,27 +104,33 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         """The profiles as scalelab.hub.options.Profile objects."""
         return profiles_from_settings({"profiles": self.profiles})
 
+    def queue_view(self) -> QueueView:
+        """The hub's one view of the queue (`scalelab.hub.queue`), shared by every student's spawner. Slurm is asked
+        as the hub, not as the student: at a first start the course account does not exist yet (run as that account
+        sinfo failed, so every profile looked available), and a student's own squeue may not show the other jobs
+        whose count gives a place in the queue. Only counts and times leave it."""
+        run = functools.partial(self._slurm, timeout=20, as_student=False)
+        return QueueView.shared(run, self.slurm_bin_dir, (self.slurm_bin_dir, self.slurm_conf), self.queue_cache_s)
+
     async def unavailable_profiles(self) -> dict[str, str]:
         """The profiles this cluster cannot give, each with why (`options.unavailable_reasons`): a partition it does
-        not have, or no node there with the GPUs asked for. sinfo runs as the hub, not as the student: at a first
-        start the course account does not exist yet, and run through `exec_prefix` as that account sinfo failed,
-        so every profile looked available and a GPU profile the cluster lacks went on to a failed job. Cached for a
-        minute; when sinfo itself fails (Slurm down), nothing is marked and sbatch's refusal says why."""
-        stamp, parts = CourseSlurmSpawner._partitions_cache
-        if parts is None or time.monotonic() - stamp > 60:
-            rc, out, err = await self._slurm([self._bin("sinfo"), "-h", "-o", "%R|%G"], timeout=20, as_student=False)
-            parts = partition_gpus(out) if rc == 0 else None
-            if parts is None:
-                self.log.warning("sinfo failed (exit %s): %s; every profile is offered", rc, err[:300])
-            CourseSlurmSpawner._partitions_cache = (time.monotonic(), parts)
-        if not parts:
+        not have, or no node there with the GPUs asked for; from the shared queue view (one sinfo per
+        `queue_cache_s`). When sinfo itself fails (Slurm down), nothing is marked and sbatch's refusal says why."""
+        snap = await self.queue_view().snapshot()
+        if snap.partitions is None:
+            self.log.warning("sinfo failed (%s); every profile is offered", snap.error)
             return {}
-        return unavailable_reasons(self.course_profiles(), parts)
+        if not snap.partitions:
+            return {}
+        return unavailable_reasons(self.course_profiles(), partition_gpus(snap.gres_lines()))
 
     @staticmethod
     async def _render_form(spawner):
+        snap = await spawner.queue_view().snapshot()
         return options_form_html(spawner.course_profiles(), spawner.default_profile,
-                                 await spawner.unavailable_profiles())
+                                 await spawner.unavailable_profiles(),
+                                 queue=profile_queue_lines(snap, spawner.course_profiles()),
+                                 queue_time=time.strftime("%H:%M:%S", time.localtime(snap.taken)))
 
     @staticmethod
     async def _apply_course_options(spawner, user_options):
@@ -348,6 +357,8 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
                 break
             if status == JobStatus.NOTFOUND:
                 raise self._job_failure("before it started running")
+            if status == JobStatus.PENDING:
+                await self._refresh_place()
             if reported_before:  # reported before we asked, yet squeue does not say RUNNING: ask again later
                 await asyncio.sleep(interval)
             elif not self._port_event.is_set():  # a port reported meanwhile means the job runs: ask at once
@@ -411,14 +422,29 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
             await asyncio.sleep(0.5)
         self.log.warning("Job %s of %s may not have ended after scancel", self.job_id, self._log_name)
 
+    async def _refresh_place(self) -> None:
+        """The pending job's place in its partition's queue and Slurm's expected start, for `progress` (from the
+        hub's shared pending list: one squeue per `queue_cache_s` for every pending student). A failing squeue
+        leaves the place unknown and the spawn going."""
+        try:
+            place = await self.queue_view().place(self.job_id)
+        except Exception as e:  # the place is a courtesy: it never fails a spawn
+            self.log.warning("queue place of job %s: %s", self.job_id, e)
+            place = None
+        self.__dict__["_queue_place"] = place.text() if place else ""
+
     async def progress(self):
-        """Progress events: queued (with Slurm's reason), running, server starting."""
+        """Progress events: queued (with Slurm's reason, its place among the pending jobs of its partition and the
+        expected start, refreshed as the job is polled), running, server starting."""
         last = None
         while True:
             if self.state_ispending():
                 reason = self._field(2)
                 msg = f"Job {self.job_id} is waiting in the queue" + (f" (reason: {reason})"
                                                                          if reason and reason != "None" else "")
+                place = self.__dict__.get("_queue_place", "")
+                if place:
+                    msg += f"; {place}"
                 progress = 20
             elif self.state_isrunning():
                 msg = f"Job {self.job_id} is running on {self._field(1)}: starting JupyterLab"
