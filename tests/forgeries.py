@@ -493,4 +493,71 @@ def forged_records(lab: Path) -> dict:
     return records
 
 
-__all__ = ["FAKE_EVENTS", "FORGERIES", "forged_notebook", "forged_records"]
+# A classmate's runs, copied: their event files re-stamped so each run ends now (after waiting as long as the longest
+# run took, so every event lies inside this grading), their spec and code beside them, and the classmate's records.
+# With NONCE the start events also carry this grading's nonce, read from the kernel's environment, as a student who
+# read the grader's docs would do: only a re-run can tell these files from this notebook's own.
+COPY_RUNS = '''
+import base64, json, os, time, zlib
+from pathlib import Path
+from scalelab.record import record
+
+def unpack(blob):
+    return json.loads(zlib.decompress(base64.b64decode(blob)))
+
+# the classmate's absolute paths become this working copy's, as they would be had the runs been made here
+records = json.loads(json.dumps(unpack(RECORDS)).replace(THEIRS, json.dumps(os.getcwd())[1:-1]))
+runs = unpack(RUNS)
+def times(files):
+    return [e["t"] for lines in files["events"].values() for e in lines]
+time.sleep(max(max(times(f)) - min(times(f)) for f in runs.values()) + 2)
+mine = os.environ.get("SCALELAB_GRADE_NONCE")
+for run_dir, files in runs.items():
+    shift = time.time() - 0.5 - max(times(files))
+    folder = Path(run_dir)
+    (folder / "events").mkdir(parents=True, exist_ok=True)
+    for name, text in files["other"].items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    for name, events in files["events"].items():
+        with open(folder / "events" / name, "w") as f:
+            for e in events:
+                e = {**e, "t": e["t"] + shift}
+                if NONCE and e.get("type") == "start":
+                    e["nonce"] = mine
+                f.write(json.dumps(e) + "\\n")
+for name, value in records.items():
+    record(name, value)
+'''
+
+
+def copied_notebook(lab: Path, records: dict, work: Path, nonce: bool) -> dict:
+    """The reference notebook with every code cell but the parameters cell replaced by one that hands in a classmate's
+    graded work: `records` (what the classmate's checks ran on) and the run folders of `work` (the classmate's kept
+    working copy) that the grader found there — their event files, spec.json and code of the student's own."""
+    import base64
+    import zlib
+
+    def pack(value) -> str:
+        return base64.b64encode(zlib.compress(json.dumps(value).encode())).decode()
+
+    runs = {}
+    for key in records.get("grader.runs", {}):
+        folder = work / key
+        events = {f.name: [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+                  for f in sorted((folder / "events").glob("rank-*.jsonl"))}
+        other = {str(f.relative_to(folder)): f.read_text() for f in [folder / "spec.json", *folder.glob("code/*.py")]
+                 if f.is_file()}
+        if events:
+            runs[key] = {"events": events, "other": other}
+    mine = {k: v for k, v in records.items() if not k.startswith("grader.")}
+    nb = json.loads((lab / "lab.ipynb").read_text())
+    cells = [c for c in nb["cells"] if c["cell_type"] != "code" or "parameters" in c["metadata"].get("tags", [])]
+    theirs = json.dumps(str(records.get("grader.workdir", work)))[1:-1]
+    source = f"RECORDS = {pack(mine)!r}\nRUNS = {pack(runs)!r}\nNONCE = {nonce}\nTHEIRS = {theirs!r}\n" + COPY_RUNS
+    cells.append({"cell_type": "code", "execution_count": None, "id": "copied", "metadata": {}, "outputs": [],
+                  "source": source})
+    return {**nb, "cells": cells}
+
+
+__all__ = ["FAKE_EVENTS", "FORGERIES", "forged_notebook", "forged_records", "copied_notebook"]

@@ -330,6 +330,12 @@ class LabGradings:
         """The lab's graded batch (graded now, or waited for, the first time it is asked for)."""
         return self.in_flight.result(Path(lab).name)
 
+    def reference_work(self, lab: Path) -> Path:
+        """The reference's kept working copy (its run folders, as the grader found them)."""
+        self.batch(lab)
+        [work] = (self.workdir / Path(lab).name[:2]).glob("scalelab-grade-*/reference-*/work")
+        return work
+
     def reference(self, lab: Path) -> tuple[dict, float]:
         """(the records and evidence the reference's checks ran on, the seconds its notebook ran)."""
         ref = self.batch(lab).by["reference"]

@@ -153,7 +153,7 @@ def own_step_runs_are_their_events(r):
     my_step.py, kept mostly 16-bit activations for backward, fp32 weights, called the GradScaler once per step
     (fp16), and ended within 0.05 of the fp32 run's loss, which kept fp32 activations (the lab's own step)."""
     own = r["own_step"]
-    found = {name: evidence(r, own[name]["run_dir"]) for name in ("fp32", "yours")}
+    found = {name: evidence(r, own[name]["run_dir"], in_process=True) for name in ("fp32", "yours")}
     assert own["fp32"]["run_dir"] != own["yours"]["run_dir"], "the two steps must run as two runs"
     for name, run in found.items():
         assert run["world_size"] == 1, f"{name}: {run['world_size']} processes, not 1"

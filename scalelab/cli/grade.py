@@ -33,6 +33,9 @@ def add_cli(subparsers) -> None:
     g.add_argument("--allow-network", action="store_true", help="let submissions use the network")
     g.add_argument("--no-sandbox", action="store_true",
                    help="run submissions unconfined as your own user (debugging a lab only; noted in every result)")
+    g.add_argument("--no-reverify", action="store_true",
+                   help="do not re-run a sample of each submission's runs to check them (debugging a lab only; "
+                        "noted in every result)")
     g.add_argument("--hide", action="append", default=[], metavar="PATH",
                    help="another path submissions must not see (e.g. a copy of hidden checks); repeatable")
     g.add_argument("--workdir", help="where job folders are made (default: the temporary folder)")
@@ -151,7 +154,8 @@ def grade_command(args) -> int:
                            cell_timeout_s=args.cell_timeout, total_timeout_s=args.total_timeout,
                            memory_mb=args.memory_mb, network=True if args.allow_network else None,
                            sandbox=not args.no_sandbox, hide=tuple(args.hide), workdir=args.workdir,
-                           keep_workdirs=args.keep_workdirs, job_mb=args.job_mb or None)
+                           keep_workdirs=args.keep_workdirs, job_mb=args.job_mb or None,
+                           reverify=not args.no_reverify)
 
     def progress(r):
         if not args.json:

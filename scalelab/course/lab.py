@@ -39,6 +39,13 @@ class GradingSettings:
     """Memory limit of a submission's run (None: no limit)."""
     network: bool = False
     """Whether a submission may use the network (labs never need it: data is generated or shipped)."""
+    reverify_runs: int = 1
+    """How many of the engine runs behind a submission's points the grader re-runs itself, outside the notebook,
+    with the grading's nonce (grade/reverify.py); 0 switches re-verification off for this lab."""
+    reverify_steps: int = 3
+    """Steps each re-run trains; their losses must equal the run's own."""
+    reverify_timeout_s: float = 120.0
+    """Longest all re-runs of one submission may take together."""
 
 
 @dataclass
@@ -122,7 +129,12 @@ def _read_yaml(path: Path) -> dict:
 def _validate(s: GradingSettings, where: Path) -> None:
     if not isinstance(s.parameters, dict):
         raise GradingError(f"{where}: grading.parameters must be a mapping, got {s.parameters!r}")
-    for name in ("cell_timeout_s", "total_timeout_s"):
+    for name in ("reverify_runs", "reverify_steps"):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (name == "reverify_steps" and value < 1):
+            raise GradingError(f"{where}: grading.{name} must be a whole number >= "
+                               f"{1 if name == 'reverify_steps' else 0}, got {value!r}")
+    for name in ("cell_timeout_s", "total_timeout_s", "reverify_timeout_s"):
         value = getattr(s, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise GradingError(f"{where}: grading.{name} must be a number of seconds > 0, got {value!r}")

@@ -157,10 +157,16 @@ def load_checks(path: str | Path, hidden: bool = False) -> list[Check]:
     return found
 
 
-def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
-    """Run one check against the records and turn what it did into a CheckResult."""
+_READS = threading.local()
+"""The run folders `evidence` was asked for during the check running in this thread (grading runs threads)."""
+
+
+def run_check(c: Check, records: Mapping[str, Any], reads: dict[str, list[str]] | None = None) -> CheckResult:
+    """Run one check against the records and turn what it did into a CheckResult; `reads`, when given, gets
+    {check name: the run folders the check read through `evidence`} (the runs behind its points)."""
     start = time.perf_counter()
     result = CheckResult(c.name, "pass", c.points, c.points, hidden=c.hidden)
+    _READS.keys = []
     try:
         if c.needs_run:
             _gate(c, records)
@@ -182,6 +188,8 @@ def run_check(c: Check, records: Mapping[str, Any]) -> CheckResult:
         result.message = f"check raised {type(e).__name__}: {e}"
         result.detail = traceback.format_exc(limit=3)
     result.duration_s = time.perf_counter() - start
+    if reads is not None:
+        reads[c.name] = list(dict.fromkeys(_READS.keys))
     return result
 
 
@@ -200,9 +208,10 @@ def _gate(c: Check, records: Mapping[str, Any]) -> None:
         raise
 
 
-def run_checks(checks: list[Check], records: Mapping[str, Any]) -> list[CheckResult]:
-    """Run every check; one failing or crashing check never stops the others."""
-    return [run_check(c, records) for c in checks]
+def run_checks(checks: list[Check], records: Mapping[str, Any],
+               reads: dict[str, list[str]] | None = None) -> list[CheckResult]:
+    """Run every check; one failing or crashing check never stops the others (`reads`: see run_check)."""
+    return [run_check(c, records, reads) for c in checks]
 
 
 def param(r: Mapping, name: str) -> Any:
@@ -215,7 +224,7 @@ def param(r: Mapping, name: str) -> Any:
     return given.get(name) if isinstance(given, Mapping) else None
 
 
-def evidence(r: Mapping, run_dir: str, **sizes) -> dict:
+def evidence(r: Mapping, run_dir: str, in_process: bool = False, **sizes) -> dict:
     """The grader's summary of the run in `run_dir` (from its event files); fails the check if there is none or
     if its events are not plausible.
 
@@ -223,7 +232,11 @@ def evidence(r: Mapping, run_dir: str, **sizes) -> dict:
     `steps`, `world_size`, `global_batch`, ...). A str value names a grader's parameter (`steps="panel_steps"`:
     the run's steps must be the grader's panel_steps); any other value is the expected value itself, worked out
     from `param(r, ...)` (None: not known outside the grader, not compared). A run of other sizes fails the check,
-    and the message says the parameters were changed: its numbers count for nothing."""
+    and the message says the parameters were changed: its numbers count for nothing.
+
+    A run made in the notebook's own process (strategy `single`: scalelab/experiments/own_step.py) is not an engine
+    run and the grader does not re-run it (grade/reverify.py): it counts only where the check says `in_process=True`,
+    so events labelled that way to escape re-verification do not stand in for an engine run."""
     from .evidence import RUNS, WORKDIR, relative_run_dir
     runs = r[RUNS]  # absent outside the grader and SelfCheck: the check ends as `missing`
     key = relative_run_dir(str(run_dir), r.get(WORKDIR))
@@ -231,9 +244,14 @@ def evidence(r: Mapping, run_dir: str, **sizes) -> dict:
         raise AssertionError(f"no event files were found for the run {run_dir!r}: the values checked must come "
                              "from a run this notebook made")
     found = runs[key]
+    if isinstance(getattr(_READS, "keys", None), list):
+        _READS.keys.append(key)
     if found.get("implausible"):
         raise AssertionError(f"the event files of the run {run_dir!r} cannot come from a real run "
                              f"({'; '.join(found['implausible'][:2])}): its numbers count for nothing")
+    if found.get("strategy") == "single" and not in_process:
+        raise AssertionError(f"the run {run_dir!r} ran in the notebook's own process (strategy 'single'); this check "
+                             "needs a run of the engine (scalelab.launch)")
     for field_name, want in sizes.items():
         said = f"the grader set {want}={param(r, want)!r}" if isinstance(want, str) else \
             f"the grader's parameters make it {want!r}"

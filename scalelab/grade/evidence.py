@@ -67,6 +67,8 @@ MAX_REASONS = 5
 CLOCK_SLACK_S = 2.0
 """Seconds of disagreement allowed between the run's clock and the grader's (same host: only rounding)."""
 RANK_FILE = re.compile(r"rank-(\d{1,6})\.jsonl")
+FIRST_START_FIELDS = ("strategy", "world_size", "global_batch", "total_steps", "start_step", "threads", "elastic")
+"""What the summary keeps of rank 0's first start event (`first_start`): the launch a grader's re-run repeats."""
 
 
 def strip_grader_records(records: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -117,11 +119,13 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def run_evidence(workdir: str | Path, started: float | None = None, now: float | None = None) -> dict[str, Any]:
+def run_evidence(workdir: str | Path, started: float | None = None, now: float | None = None,
+                 nonce: str | None = None) -> dict[str, Any]:
     """The `grader.*` records for a finished run's working copy (no symbolic link followed).
 
     started: wall-clock time (time.time()) before the working copy was made; events stamped earlier were not
-    written by this run. None (the default) skips that bound. now: the upper bound, default the time of reading."""
+    written by this run. None (the default) skips that bound. now: the upper bound, default the time of reading.
+    nonce: the grading's nonce (run/nonce.py); every start event must carry it, else the run was made elsewhere."""
     workdir = Path(workdir)
     now = time.time() if now is None else now
     runs: dict[str, Any] = {}
@@ -133,7 +137,7 @@ def run_evidence(workdir: str | Path, started: float | None = None, now: float |
         if not rank_files:
             continue
         files, budget = _read_events(workdir, rel_dir, rank_files, budget)
-        runs[rel_dir.parent.as_posix()] = _summary(files, started, now)
+        runs[rel_dir.parent.as_posix()] = _summary(files, started, now, nonce)
     return {RUNS: runs, WORKDIR: str(workdir)}
 
 
@@ -198,11 +202,11 @@ def _launches(events: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _summary(files: dict[int, list], started: float | None, now: float) -> dict[str, Any]:
+def _summary(files: dict[int, list], started: float | None, now: float, nonce: str | None = None) -> dict[str, Any]:
     world_size = len(files)
     launches = {rank: _launches(events) for rank, events in files.items()}
     try:
-        reasons = implausible(files, launches, started, now)
+        reasons = implausible(files, launches, started, now, nonce)
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
         reasons = [f"malformed events ({type(e).__name__}: {e})"]
     last = [e for rank in sorted(launches) for e in (launches[rank][-1] if launches[rank] else [])]
@@ -219,6 +223,8 @@ def _summary(files: dict[int, list], started: float | None, now: float) -> dict[
         out["final_loss"] = None
     main = launches.get(0, [[]])[-1] if launches.get(0) else []
     start = main[0] if main and main[0].get("type") == "start" else {}
+    opening = launches[0][0] if launches.get(0) and launches[0][0] else []
+    first = opening[0] if opening and opening[0].get("type") == "start" else {}  # rank 0's first launch
     steps = [e for e in main if e.get("type") == "step"]
     wire = [e.get("wire_bytes") for e in steps if isinstance(e.get("wire_bytes"), (int, float))]
     out.update(lr_curve=[e.get("lr") for e in steps][:MAX_CURVE], step_numbers=[e.get("step") for e in steps][:MAX_CURVE],
@@ -228,7 +234,8 @@ def _summary(files: dict[int, list], started: float | None, now: float) -> dict[
                hosts=sorted({str(e.get("host")) for r in sorted(launches) for e in
                              (launches[r][-1][:1] if launches[r] else []) if e.get("type") == "start"}))
     out.update(launches=len(launches.get(0, [])), start_step=start.get("start_step"), strategy=start.get("strategy"),
-               total_steps=start.get("total_steps"), global_batch=start.get("global_batch"),
+               total_steps=start.get("total_steps"), global_batch=start.get("global_batch"), nonce=start.get("nonce"),
+               first_start={k: first.get(k) for k in FIRST_START_FIELDS},
                t_start=main[0].get("t") if main else None, t_end=main[-1].get("t") if main else None,
                **_checkpoints(main), implausible=reasons)
     out["pipeline"] = _pipeline(launches)
@@ -287,8 +294,10 @@ def _num(value) -> float:
     return float(value)
 
 
-def implausible(files: dict[int, list], launches: dict[int, list], started: float | None, now: float) -> list[str]:
-    """Why these rank files cannot be the events of one real run (the empty list: no reason found)."""
+def implausible(files: dict[int, list], launches: dict[int, list], started: float | None, now: float,
+                nonce: str | None = None) -> list[str]:
+    """Why these rank files cannot be the events of one real run (the empty list: no reason found); with `nonce`,
+    also why they cannot come from this grading's runs (a start event without it)."""
     reasons: list[str] = []
     n = len(files)
     if sorted(files) != list(range(n)):
@@ -298,6 +307,9 @@ def implausible(files: dict[int, list], launches: dict[int, list], started: floa
             reasons.append(f"rank {rank} wrote no events")
             continue
         reasons += _file_reasons(rank, events, n, started, now)
+        if nonce is not None and any(e.get("nonce") != nonce for e in events if e.get("type") == "start"):
+            reasons.append(f"rank {rank}: its start event carries another grading's nonce (or none): the run was not "
+                           "made by this notebook while it was graded (copied from another run?)")
         for launch in launches[rank]:
             reasons += _launch_reasons(rank, launch)
         if len(reasons) >= MAX_REASONS:

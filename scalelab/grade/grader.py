@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import threading
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from . import reverify
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .report import file_key
 from .evidence import RUNS, apply_parameters, run_evidence, strip_grader_records
@@ -75,6 +77,9 @@ class GradeOptions:
     """Largest executed notebook the grader reads back (its records are lost beyond that)."""
     continue_on_error: bool = True
     """Run every cell even after one raised: an unsolved exercise does not cost the points of what follows it."""
+    reverify: bool = True
+    """Re-run a sample of each submission's runs with the grading's nonce and hold the runs to it (lab.yaml's
+    reverify_runs; grade/reverify.py). False: trust runs whose files look right (noted in every result)."""
 
 
 @dataclass
@@ -237,6 +242,7 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     opts = ctx.options
     key = file_key(sub.student)
     started = time.time()  # no event of this run can be older: its working copy does not exist yet
+    nonce = secrets.token_hex(8)  # this grading's: mixed into every run's initial weights (run/nonce.py)
     job = Path(tempfile.mkdtemp(prefix=f"{key[:JOB_NAME_CHARS]}-", dir=ctx.base))  # short: see job.MAX_BASE_CHARS
     capped = opts.sandbox and cap_job_folder(job, opts.job_mb)
     try:
@@ -270,10 +276,21 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
                                   opts.cell_timeout_s or settings.cell_timeout_s,
                                   opts.total_timeout_s or settings.total_timeout_s,
                                   ctx.out / "instructor" / "logs" / f"{key}.log",
-                                  continue_on_error=opts.continue_on_error)
+                                  continue_on_error=opts.continue_on_error, nonce=nonce)
         finally:
             cleanup(plan)
-        _collect(ctx, job, sub, outcome, result, shipped, started, parameters)
+
+        def rerun(items: list[dict]) -> dict:
+            # a fresh sandbox under the same policy: the notebook's processes are all gone by now
+            again = plan_sandbox(policy) if opts.sandbox else plan
+            limit = settings.reverify_timeout_s
+            try:
+                return run_job(job, again, {}, limit, limit, ctx.out / "instructor" / "logs" / f"{key}.reverify.log",
+                               nonce=nonce, reverify=items)
+            finally:
+                cleanup(again)
+
+        _collect(ctx, job, sub, outcome, result, shipped, started, parameters, nonce, rerun)
     finally:
         if capped:
             release_job_folder(job, keep=opts.keep_workdirs)
@@ -283,9 +300,12 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
 
 
 def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: SubmissionResult,
-             shipped: set[str], started: float | None = None, parameters: dict | None = None) -> None:
+             shipped: set[str], started: float | None = None, parameters: dict | None = None,
+             nonce: str | None = None, rerun: Callable[[list[dict]], dict] | None = None) -> None:
     """Read the run's notebook and evidence (untrusted), run the checks, fill `result`. The checks read the
-    grader's `parameters` (`evidence.apply_parameters`), never the notebook's own record of them."""
+    grader's `parameters` (`evidence.apply_parameters`), never the notebook's own record of them. With `nonce`,
+    runs whose start events lack it are rejected; with `rerun`, a sample of the runs behind points is re-run and
+    held to them (`_reverify`)."""
     status = outcome.get("status")
     result.status = status if status in STATUSES else "grader_error"
     result.execution = _execution_fields(outcome)
@@ -309,7 +329,7 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
         result.notes.append(f"records in the grader's namespace were ignored: {cap_text(str(forged), 300)}")
     if result.status not in ("malformed",):
         try:
-            found = run_evidence(job / "work", started=started)
+            found = run_evidence(job / "work", started=started, nonce=nonce)
             found[RUNS] = {k: v for k, v in found[RUNS].items() if k not in shipped}
         except Exception as e:  # noqa: BLE001 - event files are written by the student's processes
             found = {}
@@ -320,7 +340,14 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
         parameters = {**ctx.lab.grading.parameters, **(ctx.options.parameters or {})}
     result.notes += apply_parameters(records, parameters)
     result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
-    result.checks = run_checks(ctx.checks, records)
+    reads: dict[str, list[str]] = {}
+    result.checks = run_checks(ctx.checks, records, reads)
+    if not ctx.options.reverify:
+        result.notes.append("re-verification was switched off for this grading (--no-reverify): runs whose files look "
+                            "right were trusted")
+    elif rerun is not None and nonce and ctx.lab.grading.reverify_runs and result.status != "malformed" and \
+            _reverify(ctx, job, sub, records, result, reads, rerun):
+        result.checks = run_checks(ctx.checks, records)
     from . import report
     try:
         report.write_records(ctx.out, sub.student, records)
@@ -336,6 +363,71 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     _score(result)
     if nb is not None:
         result.notebook = _store_notebook(ctx.out, sub.student, nb)
+
+
+def _reverify(ctx: _Context, job: Path, sub: Submission, records: dict, result: SubmissionResult,
+              reads: dict[str, list[str]], rerun: Callable[[list[dict]], dict]) -> bool:
+    """Re-run a sample of the runs behind the submission's points and hold them to it (grade/reverify.py); marks
+    the runs that fail as implausible in `records` (all of them when one run's losses differ: its files are
+    forged). Returns whether anything was marked, so the checks run again."""
+    runs = records.get(RUNS)
+    if not isinstance(runs, dict):
+        return False
+    settings = ctx.lab.grading
+    keys = reverify.runs_behind_points(result.checks, reads, runs, {c.name for c in ctx.checks if c.needs_run})
+    items, skipped, bad = reverify.plan(job / "work", job, runs, keys, settings.reverify_runs,
+                                        settings.reverify_steps)
+    for key, why in bad.items():
+        runs[key] = {**runs[key], "implausible": [f"{why}: the grader cannot tell this run from one written by hand"]}
+        result.notes.append(f"{key!r}: {why}; its numbers count for nothing")
+    if not items:
+        if keys and not bad:
+            result.notes.append("the grader re-runs a sample of the runs behind your points; none of yours could be "
+                                "re-run: " + cap_text("; ".join(skipped), 300))
+        return bool(bad)
+    t0 = time.monotonic()
+    outcome = rerun(items)
+    took = time.monotonic() - t0
+    _log_reverify(ctx, sub, f"re-ran {[i['key'] for i in items]} in {took:.1f} s")
+    done = {d.get("key"): d for d in outcome.get("reruns", []) if isinstance(d, dict)} \
+        if isinstance(outcome.get("reruns"), list) else {}
+    marked, forged = bool(bad), []
+    for i, item in enumerate(items):
+        key, steps = item["key"], item["steps"]
+        error = done.get(key, {}).get("error") if key in done else \
+            f"the re-run did not report ({cap_text(str(outcome.get('status')), 40)})"
+        if error:
+            runs[key] = {**runs[key], "implausible": ["the grader's re-run of this run failed, so its numbers "
+                                                      "count for nothing"]}
+            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed; the re-run "
+                                "failed (its output is in the instructor's log), so that run's points are withheld")
+            _log_reverify(ctx, sub, f"{key}: {error}")
+            marked = True
+            continue
+        differs = reverify.compare(reverify.step_losses(job / "work", Path(key)),
+                                   reverify.step_losses(job, Path(reverify.REVERIFY_DIR) / f"r{i}"), steps)
+        if differs:
+            forged.append(f"{key} ({differs})")
+        else:
+            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed: its losses "
+                                f"are the run's own (verified; re-running took {took:.0f} s)")
+    if forged:
+        why = cap_text("; ".join(forged), 400)
+        for key in list(runs):
+            if isinstance(runs[key], dict):
+                runs[key] = {**runs[key], "implausible": [f"a run of this notebook does not match the grader's re-run "
+                                                          f"of it ({why}): no run's event files are trusted"]}
+        result.notes.append(f"the grader re-ran runs of this notebook with this grading's seed and got other losses: "
+                            f"{why}. Event files that a real run of this notebook did not write count for nothing; "
+                            "this submission is flagged for the instructor")
+        _log_reverify(ctx, sub, f"FLAGGED: {why}")
+        marked = True
+    return marked
+
+
+def _log_reverify(ctx: _Context, sub: Submission, line: str) -> None:
+    with ctx.lock, open(ctx.out / "instructor" / "reverify.txt", "a", encoding="utf-8") as f:
+        f.write(f"{sub.student}: {line}\n")
 
 
 def _execution_fields(outcome: dict) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..course.lab import CHECKS, NOTEBOOK, SETTINGS, GradingError, Lab, cell_source, find_labs, student_files
 from ..course.release import student_file
 from ..paths import checkout_root, labs_dir, read_beneath, scheduler_paths
+from ..run.nonce import NONCE_VAR
 from .reap import cleanup
 from .sandbox import SandboxPlan, blocking_ancestor, needed_paths, runner_needed_paths
 from .untrusted import UntrustedFileError, load_json_beneath
@@ -200,13 +201,18 @@ def runs_need(base: Path) -> list[str]:
 
 
 def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float, total: float,
-            log_path: Path, output_limit: int | None = OUTPUT_LIMIT, continue_on_error: bool = True) -> dict:
-    """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted)."""
+            log_path: Path, output_limit: int | None = OUTPUT_LIMIT, continue_on_error: bool = True,
+            nonce: str | None = None, reverify: list[dict] | None = None) -> dict:
+    """Start the sandboxed runner on the job and wait for it (or its limit); returns the raw outcome (untrusted).
+
+    nonce: the grading's nonce, in the run's environment (run/nonce.py). reverify: instead of the notebook, the
+    grader's re-runs of some of its runs (grade/reverify.py), inside `total` seconds."""
     outcome_path = outcome_file(job)
     spec = {"notebook": str(job / "work" / NOTEBOOK), "output": str(job / "out" / NOTEBOOK), "cwd": str(job / "work"),
             "parameters": parameters, "cell_timeout": cell_timeout,
             "total_timeout": total, "sandbox": plan.to_dict(), "outcome": str(outcome_path),
-            "output_limit": output_limit, "continue_on_error": continue_on_error}
+            "output_limit": output_limit, "continue_on_error": continue_on_error, "nonce": nonce,
+            "reverify": reverify}
     job_file = job / "job.json"
     job_file.write_text(json.dumps(spec))
     if plan.uid is not None:
@@ -215,6 +221,8 @@ def run_job(job: Path, plan: SandboxPlan, parameters: dict, cell_timeout: float,
     env = runner_env()
     env.update(HOME=str(job / "home"), TMPDIR=str(job / "tmp"), USER="student", LOGNAME="student",
                PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
+    if nonce:
+        env[NONCE_VAR] = nonce
     with open(log_path, "wb") as log:
         note_job(job, plan)  # before the start: a grader dying in between leaves a plan to end, not a run unknown
         proc = subprocess.Popen([sys.executable, "-c", RUNNER_MAIN, str(job_file)], cwd=job / "work",

@@ -11,6 +11,8 @@ import os
 import time
 from pathlib import Path
 
+from .nonce import nonce
+
 
 def events_dir(run_dir) -> Path:
     """Where a run's per-rank event files live."""
@@ -28,7 +30,10 @@ class EventWriter:
         self._f = open(self.path, "a", buffering=1)
 
     def emit(self, type_: str, **fields) -> None:
-        """Write one event with its type, rank and wall-clock time."""
+        """Write one event with its type, rank and wall-clock time; a start event also gets the grading's nonce
+        (run/nonce.py: None outside a grading), which the grader requires of every run it counts."""
+        if type_ == "start":
+            fields.setdefault("nonce", nonce())
         record = {"type": type_, "rank": self.rank, "t": time.time(), **fields}
         self._f.write(json.dumps(record, default=_plain) + "\n")
 
