@@ -276,3 +276,16 @@ def test_form_shows_queue_lines_escaped_under_each_profile():
     assert "<script>" not in html and "r&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "as Slurm counted them at 04:05:06" in html
     assert "Free now" not in options_form_html(ps, "cpu-2h")  # no view (local mode): nothing said
+
+
+def test_the_snapshot_keeps_gpu_types_for_the_unavailable_check():
+    from scalelab.hub.options import partition_gpus, unavailable_reasons
+    from scalelab.hub.queue import Snapshot, parse_sinfo
+    snap = Snapshot(taken=0, partitions=parse_sinfo(SINFO_2NODES))
+    parts = partition_gpus(snap.gres_lines())
+    assert parts["gpu"] == [{"": 2}, {"": 2}, {"a100": 4}]
+    a100 = Profile(name="a100x4", display_name="4 A100", partition="gpu", walltime="1:00:00", gpus_per_node=4,
+                   gpu_type="a100")
+    v100 = Profile(name="v100", display_name="V100", partition="gpu", walltime="1:00:00", gpus_per_node=1,
+                   gpu_type="v100")
+    assert unavailable_reasons([a100, v100], parts) == {"v100": "no node of partition 'gpu' has 1 v100 GPU"}

@@ -57,8 +57,9 @@ FAKE = textwrap.dedent('''\
         print(job["state"] + "|" + ("node1" if job["state"] != "PENDING" else "n/a") + "|" + job["reason"])
     elif cmd == "scancel":
         st["jobs"][sys.argv[1]]["state"] = "CANCELLED"; save()
-    elif cmd == "sinfo":
-        save(); print("\\n".join(st.get("partitions", ["cpu|(null)", "gpu|gpu:2"])))
+    elif cmd == "sinfo":  # sinfo -h -N -O (scalelab.hub.queue.SINFO_FIELDS): one idle node per "partition|gres"
+        save(); print("\\n".join("node1|" + p.split("|")[0] + "|up|idle|" + p.split("|")[1] + "|(null)|0/2/0/2|"
+                                 for p in st.get("partitions", ["cpu|(null)", "gpu|gpu:2"])))
 ''')
 
 
@@ -113,8 +114,8 @@ def fake(tmp_path):
 
 @pytest.fixture
 def spawner(fake, tmp_path):
-    CourseSlurmSpawner._partitions_cache = (0.0, None)
     c = Config()
+    c.CourseSlurmSpawner.queue_cache_s = 0  # every form asks the fake again (each test changes what it says)
     c.CourseSlurmSpawner.slurm_bin_dir = str(fake.bin)
     c.CourseSlurmSpawner.slurm_conf = str(fake.state)
     c.CourseSlurmSpawner.home_template = str(tmp_path / "homes/{username}")
@@ -218,7 +219,6 @@ def test_before_the_account_exists_a_gpu_profile_the_cluster_lacks_is_a_clear_re
     run(spawner._apply_course_options(spawner, {"profile": "cpu-1h"}))  # the control: accepted
     assert spawner.job_request.profile.name == "cpu-1h"
     assert fake.calls("sinfo") and fake.calls("sbatch") == []
-    CourseSlurmSpawner._partitions_cache = (0.0, None)
     fake.update(partitions=["cpu|(null)", "gpu|gpu:tesla:2(S:0-1)"])  # with GPUs the profile is given
     run(spawner._apply_course_options(spawner, {"profile": "gpu-1h"}))
     assert spawner.job_request.profile.name == "gpu-1h"

@@ -46,6 +46,8 @@ class Node:
     idle_cpus: int
     gpus: int
     used_gpus: int
+    gres: str = ""
+    """The node's Gres as sinfo says it ('gpu:a100:4(S:0-1)'): GPU types for `options.partition_gpus`."""
 
     @property
     def usable(self) -> bool:
@@ -71,7 +73,7 @@ def parse_sinfo(text: str) -> dict[str, list[Node]]:
         out.setdefault(partition, []).append(Node(
             name=name, partition_up=avail.strip().lower() == "up", state=state.strip().lower(),
             cpus=alloc_idle_other_total[3], idle_cpus=alloc_idle_other_total[1], gpus=_gpu_count(gres),
-            used_gpus=_gpu_count(used)))
+            used_gpus=_gpu_count(used), gres=gres.strip()))
     return out
 
 
@@ -183,8 +185,7 @@ class Snapshot:
 
     def gres_lines(self) -> str:
         """The partitions' GPUs as `sinfo -h -o '%R|%G'` would say them (options.partition_gpus reads it)."""
-        return "\n".join(f"{p}|gpu:{n.gpus}" if n.gpus else f"{p}|(null)"
-                         for p, nodes in (self.partitions or {}).items() for n in nodes)
+        return "\n".join(f"{p}|{n.gres or '(null)'}" for p, nodes in (self.partitions or {}).items() for n in nodes)
 
     def profile_lines(self, partition: str, reservation: str) -> list[str]:
         """What the form says under a profile: free now on its partition, and in its reservation ('' = none)."""
@@ -258,18 +259,21 @@ class QueueView:
     scontrol: str
     squeue: str
     ttl: float = 5.0
+    conf: str = ""
+    """The SLURM_CONF the runner hands over ('' = Slurm's default): when it names no file, Slurm is not asked
+    (its tools retry a missing configuration for a minute) and the view is 'unknown' at once."""
     _snapshot: tuple[float, Snapshot | None] = (0.0, None)
     _pending: tuple[float, tuple[int, str, str] | None] = (0.0, None)
     _inflight: dict = field(default_factory=dict)
 
     @classmethod
-    def shared(cls, run: Runner, bin_dir: str, key: tuple, ttl: float) -> "QueueView":
-        """The hub's view for `key` (its Slurm: bin dir and SLURM_CONF), made on first use."""
-        view = _VIEWS.get(key)
+    def shared(cls, run: Runner, bin_dir: str, conf: str, ttl: float) -> "QueueView":
+        """The hub's view of its Slurm (bin dir and SLURM_CONF), made on first use."""
+        view = _VIEWS.get((bin_dir, conf))
         if view is None:
-            view = _VIEWS[key] = cls(run=run, sinfo=os.path.join(bin_dir, "sinfo"),
-                                    scontrol=os.path.join(bin_dir, "scontrol"),
-                                    squeue=os.path.join(bin_dir, "squeue"), ttl=ttl)
+            view = _VIEWS[(bin_dir, conf)] = cls(run=run, sinfo=os.path.join(bin_dir, "sinfo"),
+                                                 scontrol=os.path.join(bin_dir, "scontrol"),
+                                                 squeue=os.path.join(bin_dir, "squeue"), ttl=ttl, conf=conf)
         view.ttl = ttl
         return view
 
@@ -289,7 +293,14 @@ class QueueView:
             return snap
         return await self._once("snapshot", self._take_snapshot)
 
+    def _no_conf(self) -> str:
+        return f"SLURM_CONF {self.conf} is not a file" if self.conf and not os.path.isfile(self.conf) else ""
+
     async def _take_snapshot(self) -> Snapshot:
+        if self._no_conf():
+            snap = Snapshot(taken=time.time(), partitions=None, error=self._no_conf())
+            self._snapshot = (time.monotonic(), snap)
+            return snap
         (rc, out, err), (rrc, rout, _) = await asyncio.gather(
             self.run([self.sinfo, "-h", "-N", "-O", SINFO_FIELDS]),
             self.run([self.scontrol, "show", "reservation", "-o"]))
@@ -310,6 +321,10 @@ class QueueView:
         return pending_place(out, job_id) if rc == 0 else None
 
     async def _take_pending(self):
+        if self._no_conf():
+            answer = (1, "", self._no_conf())
+            self._pending = (time.monotonic(), answer)
+            return answer
         answer = await self.run([self.squeue, "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%Q|%S"])
         self._pending = (time.monotonic(), answer)
         return answer

@@ -109,8 +109,8 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         as the hub, not as the student: at a first start the course account does not exist yet (run as that account
         sinfo failed, so every profile looked available), and a student's own squeue may not show the other jobs
         whose count gives a place in the queue. Only counts and times leave it."""
-        run = functools.partial(self._slurm, timeout=20, as_student=False)
-        return QueueView.shared(run, self.slurm_bin_dir, (self.slurm_bin_dir, self.slurm_conf), self.queue_cache_s)
+        run = functools.partial(self._slurm, timeout=10, as_student=False)  # a form waits at most this for Slurm
+        return QueueView.shared(run, self.slurm_bin_dir, self.slurm_conf, self.queue_cache_s)
 
     async def unavailable_profiles(self) -> dict[str, str]:
         """The profiles this cluster cannot give, each with why (`options.unavailable_reasons`): a partition it does
