@@ -24,7 +24,7 @@ from scalelab.testing.hub import HubRunner, class_reservation_and_queue, slurm_s
 pytestmark = [pytest.mark.slurm, pytest.mark.hub, pytest.mark.slow]
 
 CACHE_S = 8.0
-"""The hub's queue_cache_s here (config_d): long enough that a burst of renders on a loaded machine fits in it."""
+"""The hub's slurm.queue_cache_s here: long enough that a burst of renders on a loaded machine fits in it."""
 EVIL_PARTITION = "q<script>x"
 EVIL_RESERVATION = "r<script>y"
 SLURM_TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "srun", "salloc", "sacct", "sacctmgr")
@@ -57,17 +57,13 @@ def hub(tmp_path_factory, slurm_cluster, evil_names):
             (bin_dir / tool).symlink_to(Path("/usr/bin", tool))
     (bin_dir / "sinfo").write_text(f'#!/bin/sh\necho "$(date +%s.%N)" >> {count}\nexec /usr/bin/sinfo "$@"\n')
     (bin_dir / "sinfo").chmod(0o755)
-    config_d = work / "config.d"
-    config_d.mkdir()
-    (config_d / "queue.py").write_text(f"c.CourseSlurmSpawner.queue_cache_s = {CACHE_S}\n")
     (work / "labs").mkdir()
     with class_reservation_and_queue(slurm_cluster) as (resv, down):
         profiles = [
             {"name": "queued", "display_name": "Always queued", "partition": down, "walltime": "0:10:00"},
             {"name": "cpu-1", "display_name": "CPU", "partition": "cpu", "walltime": "0:10:00"},
         ]
-        settings = slurm_settings(slurm_cluster, resv, profiles, bin_dir=str(bin_dir))
-        settings["hub"] = {"config_d": str(config_d)}
+        settings = slurm_settings(slurm_cluster, resv, profiles, bin_dir=str(bin_dir), queue_cache_s=CACHE_S)
         runner = HubRunner(work, mode="slurm", settings=settings)
         runner.start()
         runner.sinfo_calls = lambda: len(count.read_text().split()) if count.exists() else 0
@@ -223,3 +219,15 @@ def test_a_failing_sinfo_reads_unknown_and_the_form_still_renders(slurm_cluster,
         {"name": "cpu", "display_name": "CPU", "partition": "cpu", "walltime": "1:00:00"}]})
     html = options_form_html(ps, "cpu", {}, profile_queue_lines(snap, ps), "04:00:00")
     assert 'value="cpu" checked' in html and "Free now: unknown (Slurm did not answer)" in html
+
+
+def test_the_cache_window_is_a_course_setting():
+    from traitlets.config import Config
+
+    from scalelab.hub import config as hubconf
+    from scalelab.hub.settings import load_settings
+    cfg = load_settings(overrides={"mode": "slurm", "slurm": {"queue_cache_s": 12}})
+    c = Config()
+    hubconf.update_slurm_spawner(c, cfg)
+    assert c.CourseSlurmSpawner.queue_cache_s == 12.0
+    assert load_settings()["slurm"]["queue_cache_s"] == 5

@@ -173,6 +173,7 @@ def update_slurm_spawner(c, cfg: Mapping) -> None:
     s.node_address = slurm["node_address"]
     s.poll_min = float(slurm["poll_min"])
     s.poll_max = float(slurm["poll_max"])
+    s.queue_cache_s = float(slurm["queue_cache_s"])
     s.singleuser_wrapper = [os.path.join(python_bin(cfg), "python"), "-m", "scalelab.hub.singleuser"]
 
 
