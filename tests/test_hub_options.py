@@ -289,3 +289,13 @@ def test_the_snapshot_keeps_gpu_types_for_the_unavailable_check():
     v100 = Profile(name="v100", display_name="V100", partition="gpu", walltime="1:00:00", gpus_per_node=1,
                    gpu_type="v100")
     assert unavailable_reasons([a100, v100], parts) == {"v100": "no node of partition 'gpu' has 1 v100 GPU"}
+
+
+def test_a_core_count_reservation_holds_no_gpus_unless_its_tres_names_them():
+    from scalelab.hub.queue import parse_reservations, parse_sinfo, reservation_free
+    resv = parse_reservations(
+        "ReservationName=few StartTime=2026-11-27T08:00:00 EndTime=2026-11-27T10:00:00 Duration=02:00:00 "
+        "Nodes=node1 NodeCnt=1 CoreCnt=2 Features=(null) PartitionName=gpu Flags=SPEC_NODES TRES=cpu=2 "
+        "Users=root Groups=(null) Accounts=(null) State=ACTIVE BurstBuffer=(null)")
+    assert reservation_free(resv["few"], parse_sinfo(SINFO_2NODES)["gpu"]).text() == \
+        "0/1 nodes, 2/2 CPUs free (no GPUs)"

@@ -106,15 +106,17 @@ def test_a_burst_of_form_renders_asks_sinfo_once_and_shows_free_counts(hub, slur
     assert not errors and len(pages) == n, errors
     assert took < CACHE_S, f"the {n} renders took {took:.1f} s, longer than the cache window: machine overloaded"
     assert hub.sinfo_calls() - before == 1, f"{hub.sinfo_calls() - before} sinfo calls for {n} renders"
-    node = slurm_cluster.status()["nodes"][0]
+    node = slurm_cluster.status()["nodes"][0]  # a GPU machine's local cluster has its GPUs as GRES
+    gpus = rf", \d+/{node['gpus']} GPUs free" if node["gpus"] else r" free \(no GPUs\)"
     page = pages[0]
-    m = re.search(r"Free now on partition cpu: (\d+)/1 nodes, (\d+)/(\d+) CPUs free \(no GPUs\)", page)
+    m = re.search(rf"Free now on partition cpu: (\d+)/1 nodes, (\d+)/(\d+) CPUs{gpus}", page)
     assert m and int(m.group(3)) == node["cpus"] and int(m.group(2)) <= node["cpus"], page[-3000:]
-    # the class reservation holds one core of the node: its total is that core
+    # the class reservation holds one core of the node (no GPUs): its total is that core
     assert re.search(rf"In reservation {hub.resv}: [01]/1 nodes, [01]/1 CPUs free \(no GPUs\)", page)
     # the DOWN partition has nothing free, and says why
-    assert f"Free now on partition {hub.down}: 0/1 nodes, 0/{node['cpus']} CPUs free (no GPUs) (the partition " \
-           "is not taking jobs)" in page
+    assert re.search(rf"Free now on partition {hub.down}: 0/1 nodes, 0/{node['cpus']} CPUs"
+                     + (rf", 0/{node['gpus']} GPUs free" if node["gpus"] else r" free \(no GPUs\)")
+                     + r" \(the partition is not taking jobs\)", page), page[-3000:]
     assert "as Slurm counted them at" in page
 
 

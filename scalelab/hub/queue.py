@@ -159,10 +159,12 @@ def partition_free(nodes: list[Node]) -> Free:
 def reservation_free(resv: Reservation, partition_nodes: list[Node]) -> Free:
     """What the reservation has free now: its nodes in the profile's partition that are free, their idle CPUs and
     unused GPUs, each capped at what the reservation holds (a core-count reservation holds fewer than its nodes
-    have). An inactive reservation (it starts later) has nothing free now."""
+    have, and no GPUs unless its TRES names them). An inactive reservation (it starts later) has nothing free now."""
     mine = [n for n in partition_nodes if n.name in resv.nodes]
-    cpus = resv.cpus or sum(n.cpus for n in mine)
-    gpus = resv.gpus or sum(n.gpus for n in mine)
+    node_cpus = sum(n.cpus for n in mine)
+    cpus = min(resv.cpus, node_cpus) if resv.cpus else node_cpus
+    whole = cpus >= node_cpus  # whole nodes: their GPUs come with them
+    gpus = resv.gpus or (sum(n.gpus for n in mine) if whole else 0)
     if not resv.active:
         return Free(0, len(mine), 0, cpus, 0, gpus)
     usable = [n for n in mine if n.usable]
