@@ -181,17 +181,20 @@ def test_pending_server_shows_its_place_and_expected_start_refreshed_and_never_o
         assert re.search(r"\(reason: PartitionDown\); position 2 of 2 waiting in partition "
                          rf"{down}; (expected start \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d|no expected start from Slurm "
                          r"yet)$", seen[-1]), seen[-1]
+        [cara_job] = [j["id"] for j in hub.jobs() if j["name"] == f"jupyter-{cara.name}"]
+        form = spawn_page(hub.login("dora"))  # another student's form while both jobs wait: counts only
+        assert "Free now on partition" in form
         subprocess.run(["scancel", other_id], env=hub.slurm_env(), check=True, timeout=30)
         seen += pending_messages(cara, rf"position 1 of 1 waiting in partition {down}; ",
                                  timeout=CACHE_S + 20)  # refreshed: the job ahead left
-        page = spawn_page(cara) if cara.server_model() is None else \
-            cara.session.get(f"{hub.url}/hub/spawn-pending/{cara.name}", timeout=30).text
-        shown = "\n".join(seen) + page
-        for leak in (secret_name, "thesis"):
-            assert leak not in shown, f"another job's {leak!r} reached the student"
+        page = cara.session.get(f"{hub.url}/hub/spawn-pending/{cara.name}", timeout=30).text
+        assert all(m.startswith(f"Job {cara_job} ") for m in seen if m.startswith("Job ")), seen  # her own job
+        for shown, others in (("\n".join(seen) + page, (secret_name, "thesis", other_id)),
+                              (form, (secret_name, "thesis", other_id, cara.name, cara_job))):
+            numbers = set(re.findall(r"(?<![0-9A-Za-z])[0-9]+(?![0-9A-Za-z])", shown))  # not digits in a hash
+            for leak in others:
+                assert leak not in (numbers if leak.isdigit() else shown), f"{leak!r} reached another student"
         assert "root" not in "\n".join(seen), "the other job's user (root) reached the student"
-        numbers = set(re.findall(r"(?<![0-9A-Za-z])[0-9]+(?![0-9A-Za-z])", shown))  # not digits inside a hash
-        assert other_id not in numbers, f"another job's id {other_id} reached the student"
         assert cara.stop().status_code in (202, 204)  # cancel keeps working
         cara.wait_gone(timeout=30)
         assert not [j for j in hub.jobs() if cara.name in j["name"]]
