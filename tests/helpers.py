@@ -51,9 +51,9 @@ def wait_until(predicate, timeout: float, what: str):
 def remove_accounts(cluster, names, timeout: float = 20) -> None:
     """Tear down throwaway Unix accounts a cluster test made: their jobs cancelled first (a job of a deleted uid is
     requeued for ever), their processes killed, then the account and its association removed. Each step goes on
-    past what is already gone, so a half-made account is removed too; an account still there after `timeout` s
-    fails the test, naming it (userdel refuses while a process of the uid is alive, and a killed one takes a moment
-    to be reaped)."""
+    past what is already gone, so a half-made account is removed too; an account or association still there after
+    `timeout` s fails the test, naming it (userdel refuses while a process of the uid is alive, and a killed one
+    takes a moment to be reaped; slurmdbd keeps the association while a cancelled job is still completing)."""
     import pwd
     import subprocess
     import time
@@ -71,8 +71,26 @@ def remove_accounts(cluster, names, timeout: float = 20) -> None:
             if r.returncode in (0, 6) or time.monotonic() > deadline:  # 6: no such user
                 break
             time.sleep(0.25)
-        cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
         assert r.returncode in (0, 6), f"account {name} left behind: `userdel {name}` says {r.stderr.strip()!r}"
+        if getattr(cluster, "accounting", False):
+            _remove_association(cluster, name, time.monotonic() + timeout)
+
+
+def _remove_association(cluster, name: str, deadline: float) -> None:
+    """sacctmgr delete user, again until it takes: slurmdbd refuses while a job of the user is still active (a
+    cancelled job completing), which left associations of deleted accounts behind."""
+    import time
+    while True:
+        said = cluster.run("sacctmgr", "-i", "delete", "user", name, check=False)
+        left = cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={name}", "format=user",
+                           check=False).stdout.split()
+        if name not in left:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    said = (said.stdout + said.stderr).strip()[-300:]
+    raise AssertionError(f"the association of {name} is left behind: `sacctmgr -i delete user {name}` says {said!r}")
 
 
 def _kill_uid(uid: int) -> None:
