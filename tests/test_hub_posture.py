@@ -75,6 +75,14 @@ def test_the_posture_table_says_who_runs_servers_and_who_signs_in(cfg):
     assert "each student's own Unix account (course accounts the hub creates" in text
     assert "shared password, 2 names on the list" in text and "form POST only" in text
     assert "UNSAFE" not in text
+    mode = cfg["mode"]
+    own = "per student with their servers (slurm.per_student): held by the local cluster's QOS course-student"
+    assert (own in text) if mode == "slurm" else ("no Slurm: servers are processes on this machine" in text), text
+    other = copy.deepcopy(made)
+    other["mode"] = "local" if mode == "slurm" else "slurm"
+    other["slurm"]["per_student"] = {"cpus": 3, "gpus": 1}
+    flipped = format_posture(other, euid=0)
+    assert ("3 CPUs, 1 GPUs per student" in flipped) if other["mode"] == "slurm" else ("no Slurm" in flipped), flipped
     unsafe = format_posture(settings(cfg, run_as="hub-account"), euid=0)
     assert "the hub's account (root)" in unsafe and "UNSAFE: servers.run_as: hub-account" in unsafe
 

@@ -208,10 +208,26 @@ def posture(cfg: Mapping, euid: int | None = None) -> list[tuple[str, str]]:
         ("admins", ", ".join(cfg["hub"]["admin_users"]) or "none"),
         ("spawn from a link", "on" if cfg["servers"].get("spawn_from_link") else "off (form POST only)"),
         ("state dir", f"{state} ({mode})"),
+        ("a student's own jobs", own_jobs(cfg)),
         ("instructor files", "labs, tests/fixtures/legacy, .git, build/{executed,runs,collected,grades}: closed to "
                              "students at start" if cfg["servers"]["run_as"] == "student-accounts" else
                              "labs, .git, build/...: readable by the servers' account (the hub's own)"),
     ]
+
+
+def own_jobs(cfg: Mapping) -> str:
+    """What bounds the jobs a student submits from a terminal (sbatch, srun past the spawn form)."""
+    if cfg["mode"] != "slurm":
+        return "no Slurm: servers are processes on this machine, each held to its profile"
+    from .options import profiles_from_settings, student_limits
+    per = cfg["slurm"].get("per_student") or {}
+    try:
+        cpus, gpus = student_limits(profiles_from_settings(cfg["slurm"]), int(per.get("cpus", 0)),
+                                    int(per.get("gpus", 0)))
+    except Exception as e:  # noqa: BLE001 - the settings' own check names the problem; the table says it is unknown
+        return f"unknown ({type(e).__name__}: the slurm settings do not load)"
+    return (f"{cpus} CPUs, {gpus} GPUs per student with their servers (slurm.per_student): held by the local cluster's "
+            "QOS course-student (scalelab hub sets it); at a centre, by the QOS its Slurm administrators set (README)")
 
 
 def format_posture(cfg: Mapping, euid: int | None = None) -> str:
