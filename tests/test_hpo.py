@@ -48,8 +48,30 @@ def test_one_worker_with_the_same_seed_proposes_the_same_first_trials(local_run,
     assert [t["steps"] for t in solo["trials"]] == [10, 10] and solo["steps_saved"] == 0
 
 
+def test_an_objective_of_the_students_runs_each_trial_as_an_engine_run_it_reports_and_stops(tmp_path, monkeypatch):
+    from scalelab.grade.evidence import RUNS, run_evidence
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_objective.py").write_text("from scalelab.experiments.hpo import engine_objective as objective\n")
+    r = hpo.parallel_hpo(tmp_path / "hpo", trials=4, workers=2, steps=60, report_every=15, seed=0, startup_trials=2,
+                         pruner_startup=1, sync_start_s=60, objective="my_objective:objective")
+    found = run_evidence(tmp_path / "hpo")[RUNS]
+    assert len(r["trials"]) == 4 and len(found) == 4
+    for t in r["trials"]:
+        run = found[os.path.relpath(t["run_dir"], tmp_path / "hpo")]
+        assert run["implausible"] == [] and run["total_steps"] == 60
+        assert t["steps"] == run["step_numbers"][-1]  # what ran is what the run's events say
+        evals = dict((s, a) for s, a in run["evals"])
+        assert t["intermediate"] and all(evals[int(s)] == v for s, v in t["intermediate"].items())
+        if t["state"] == "complete":
+            assert t["steps"] == 60 and t["value"] == run["eval_accuracy"]
+    (tmp_path / "my_objective.py").write_text("def objective(trial, spec):\n    raise NotImplementedError('exercise')\n")
+    with pytest.raises(NotImplementedError, match="objective in my_objective.py is not written yet"):
+        hpo.parallel_hpo(tmp_path / "hpo2", trials=2, workers=1, steps=20, objective="my_objective:objective")
+
+
 @pytest.mark.parametrize("kwargs, field", [({"trials": 0}, "trials"), ({"workers": "2"}, "workers"),
-                                           ({"launcher": "ray"}, "launcher"), ({"report_every": 99}, "report_every")])
+                                           ({"launcher": "ray"}, "launcher"), ({"report_every": 99}, "report_every"),
+                                           ({"objective": "my.objective:f"}, "objective")])
 def test_a_bad_argument_names_itself(tmp_path, kwargs, field):
     with pytest.raises(SpecError) as e:
         hpo.parallel_hpo(tmp_path, **{"steps": 20, **kwargs})

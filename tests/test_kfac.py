@@ -3,6 +3,7 @@ against a small dense computation, convolutions through unfold, and KAISA's dist
 to one process on the union of their batches, whatever the gradient-worker fraction."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelab import run_spmd
-from scalelab.errors import SpecError
+from scalelab.errors import RunFailed, SpecError
 from scalelab.launch import launch
 from helpers import tiny
 from scalelab.train.kfac import KFAC, eigen, factor, grad_matrix, layer_inputs, output_grads, precondition
@@ -116,6 +117,27 @@ def test_kfac_in_the_engine_trains_the_same_in_mem_opt_and_comm_opt(tmp_path):
     assert len(curves["mem"]) == 5 and all(map(math.isfinite, curves["mem"]))
     assert curves["mem"] == pytest.approx(curves["comm"], rel=1e-4, abs=1e-5)
     assert curves["mem"][1:] != pytest.approx(curves["sgd"][1:], rel=1e-3)  # step 0 is the same model and batch
+
+
+def test_a_factor_of_ones_own_runs_on_every_rank_and_a_wrong_one_changes_the_trajectory(tmp_path, monkeypatch):
+    """optim.kfac_factor = module:function: every rank forms the factors with it (lab 09's exercise 5); the dense
+    one gives the library's losses exactly, one without the mean's 1/n other losses, a wrong shape a clear error."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dense_kfac.py").write_text("def factor(rows):\n    return rows.t() @ rows / rows.shape[0]\n")
+    (tmp_path / "sum_kfac.py").write_text("def factor(rows):\n    return rows.t() @ rows\n")
+    (tmp_path / "bad_kfac.py").write_text("def factor(rows):\n    return rows @ rows.t()\n")
+    base = {"optim.name": "kfac", "optim.lr": 0.05, "optim.kfac_inv_every": 2, "model.name": "cnn", "steps": 4}
+    curves, runs = {}, {}
+    for name in ("dense", "library", "sum"):
+        factor = "dense" if name == "library" else f"{name}_kfac:factor"
+        runs[name] = launch(tiny(tmp_path, name, workers=2, **base, **{"optim.kfac_factor": factor}))
+        curves[name] = runs[name].wait(timeout=180)["loss_curve"]
+    assert curves["dense"] == curves["library"]
+    assert curves["sum"][1:] != pytest.approx(curves["library"][1:], rel=1e-3)
+    start = json.loads((runs["dense"].run_dir / "events" / "rank-1.jsonl").read_text().splitlines()[0])
+    assert "dense_kfac.py" in start["code"]  # every rank imported the student's module from the run's code/
+    with pytest.raises(RunFailed, match=r"optim.kfac_factor.*must return the \(\d+, \d+\) factor"):
+        launch(tiny(tmp_path, "bad", workers=2, **base, **{"optim.kfac_factor": "bad_kfac:factor"})).wait(timeout=180)
 
 
 def test_bad_kfac_settings_name_the_field_and_the_fix(tmp_path):

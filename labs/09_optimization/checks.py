@@ -85,3 +85,29 @@ def kaisa_modes_train_alike(r):
     a, b = r["engine_kfac"]["comm"]["loss_curve"], r["engine_kfac"]["mem"]["loss_curve"]
     assert len(a) == len(b) > 0
     assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-5) for x, y in zip(a, b)), f"{a} vs {b}"
+
+
+@check(points=1, needs_run=True)
+def your_factor_ran(r):
+    """Exercise 5: the run with your factor ran its steps and ended near the dense factor's run."""
+    a, b = r["engine_kfac_yours"]["loss_curve"], r["engine_kfac"]["comm"]["loss_curve"]
+    assert len(a) == len(b), f"{len(a)} losses with your factor, {len(b)} with the dense one"
+    assert abs(a[-1] - b[-1]) < 1e-3, f"final loss {a[-1]:.4f} with your factor, {b[-1]:.4f} with the dense one"
+
+
+@check(points=0.5, needs_run=True)
+def kfac_on_a_conv_net_needs_fewer_steps(r):
+    """K-FAC, with convolution factors, reaches the target on the small CNN in fewer steps than SGD."""
+    sgd, kfac = _reached(r["conv_race"], "sgd"), _reached(r["conv_race"], "kfac")
+    assert kfac["reached"]["steps"] < sgd["reached"]["steps"], "K-FAC took as many steps as SGD on the CNN"
+
+
+@check(points=0.5, needs_run=True)
+def time_on_ranks_measured(r):
+    """Every race run that reached the target has a step time on every rank count, and its seconds to the target
+    are its steps times that step time."""
+    rows = r["on_ranks"]["rows"]
+    assert {x["ranks"] for x in rows} == set(r["on_ranks"]["ranks"]) >= {1, 2}, "step times on 1 and 2 ranks"
+    for x in rows:
+        assert x["step_s"] > 0 and math.isclose(x["seconds"], x["steps"] * x["step_s"], rel_tol=1e-9), \
+            f"{x['label']} on {x['ranks']} ranks: seconds {x['seconds']} is not steps x step time"

@@ -1,12 +1,17 @@
-"""Lab 09 hidden checks: the engine runs against their event files; the races and KAISA's bytes held against
-each other and the arithmetic they follow from.
+"""Lab 09 hidden checks: the engine runs against their event files (the K-FAC runs, and the step-time runs on 1
+and 2 ranks behind the time to accuracy on N ranks); the races and KAISA's bytes held against each other and the
+arithmetic they follow from.
 
 The LARS comparison and the races train in the notebook's own process, so they are held against themselves
 (curves against reached points, steps against samples); the engine's K-FAC runs against their events.
 """
+import json
 import math
 
+from scalelab.experiments.optimization import engine_step_s
+from scalelab.experiments.profiling import read_run_file
 from scalelab.grade.checks import check, close, evidence, param
+from scalelab.grade.evidence import WORKDIR
 
 
 @check(points=0.25, needs_run=True)
@@ -19,12 +24,14 @@ def engine_runs_are_the_engine_runs(r):
 
 
 def _race(r, name: str) -> list:
-    """The rows of race `name` ("race" or "kfac_race"), each run over the grader's samples."""
-    samples = param(r, "samples")
+    """The rows of race `name` ("race", "kfac_race" or "conv_race"), each run over the grader's samples (the conv
+    net's over conv_samples)."""
+    key = "conv_samples" if name == "conv_race" else "samples"
+    samples = param(r, key)
     for row in r[name]:
         if samples is not None:
             assert row["steps"] == samples // row["batch"], \
-                f"{row['label']}: {row['steps']} steps of {row['batch']}, the grader set samples={samples}: " \
+                f"{row['label']}: {row['steps']} steps of {row['batch']}, the grader set {key}={samples}: " \
                 "parameters were changed after injection"
     return r[name]
 
@@ -42,7 +49,7 @@ def _kaisa(r) -> dict:
 @check(points=0.25, needs_run=True)
 def races_are_consistent(r):
     """Every race row's reached point is on its curve, and steps, samples and batch agree."""
-    for row in _race(r, "race") + _race(r, "kfac_race"):
+    for row in _race(r, "race") + _race(r, "kfac_race") + _race(r, "conv_race"):
         curve, hit = row["curve"], row["reached"]
         assert all(a["samples"] < b["samples"] for a, b in zip(curve, curve[1:])), f"{row['label']}: curve order"
         assert math.isclose(row["final_accuracy"], curve[-1]["accuracy"]), f"{row['label']}: final accuracy"
@@ -60,9 +67,9 @@ def races_are_consistent(r):
 def race_used_the_parameters(r):
     """The race ran at the lab's target and batches."""
     p = r["lab09_params"]
-    assert {row["target"] for row in r["race"] + r["kfac_race"]} == {p["target"]}
+    assert {row["target"] for row in r["race"] + r["kfac_race"] + r["conv_race"]} == {p["target"]}
     assert {row["batch"] for row in r["race"]} == set(p["batches"])
-    assert {row["batch"] for row in r["kfac_race"]} == {p["kfac_batch"]}
+    assert {row["batch"] for row in r["kfac_race"] + r["conv_race"]} == {p["kfac_batch"]}
 
 
 @check(points=0.25, needs_run=True)
@@ -142,3 +149,58 @@ def comm_opt_bytes_is_what_a_rank_holds(r):
     want = sum(4 * (a + a * a + g + g * g) for a, g in k["dims"])
     assert r["comm_opt_bytes"] == want, f"comm_opt_bytes {r['comm_opt_bytes']}, the layers give {want}"
     assert all(x["eigen_bytes"] == want for x in k["comm"]), "a COMM-OPT rank held other bytes"
+
+
+@check(points=4, needs_run=True)
+def your_factor_trains_as_the_dense_one(r):
+    """Exercise 5: the engine run whose ranks formed every Kronecker factor with your my_kfac.factor follows the
+    dense factor's COMM-OPT run loss for loss (same seed, same data: any other factor changes the steps)."""
+    mine = evidence(r, r["engine_kfac_yours"]["run_dir"], total_steps="engine_steps")
+    dense = evidence(r, r["engine_kfac"]["comm"]["run_dir"], total_steps="engine_steps")
+    assert "my_kfac.py" in (mine.get("code") or {}), "the run did not use my_kfac.py (optim.kfac_factor)"
+    assert mine["world_size"] == dense["world_size"] == r["lab09_params"]["workers"], \
+        f"{mine['world_size']} ranks ran yours, {dense['world_size']} the dense one"
+    a, b = mine["loss_curve"], dense["loss_curve"]
+    assert len(a) == len(b) and a, f"{len(a)} and {len(b)} losses"
+    for step, (x, y) in enumerate(zip(a, b), 1):
+        assert math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6), \
+            f"step {step}: loss {x:.6f} with your factor, {y:.6f} with the dense one"
+
+
+@check(points=0.5, needs_run=True)
+def time_on_ranks_is_the_engine_runs(r):
+    """Time to accuracy on N ranks: every race run of SGD (small batch), LARS, LAMB (large batch) and K-FAC that
+    reached the target has one engine run per rank count (1 and 2, 4 where workers allow) of engine_steps steps, at
+    its optimizer and global batch, made in this grading (its events carry the grading's nonce); its step time is
+    the one the run's events give (rank 0's mean step_s - data_s, first step left out, within 1e-6), and
+    its seconds to the target are the race's steps to it times that step time."""
+    p, on = r["lab09_params"], r["on_ranks"]
+    want_ranks = [n for n in (1, 2, 4) if n <= p["workers"]]
+    assert on["ranks"] == want_ranks, f"ranks {on['ranks']}, with {p['workers']} workers: {want_ranks}"
+    small, big = min(p["batches"]), max(p["batches"])
+    labels = (f"sgd b{small}", f"lars b{big}", f"lamb b{big}", "kfac")
+    race = {row["label"]: row for row in _race(r, "race") + _race(r, "kfac_race") if row["label"] in labels}
+    rows = {(x["label"], x["ranks"]): x for x in on["rows"]}
+    want = {(label, n) for label, row in race.items() if row["reached"] for n in want_ranks}
+    assert set(rows) == want and len(rows) == len(on["rows"]), \
+        f"step times for {sorted(rows)}; the race's runs that reached the target need {sorted(want)}"
+    assert len({x["run_dir"] for x in on["rows"]}) == len(on["rows"]), "one engine run per row"
+    for (label, n), x in rows.items():
+        row, what = race[label], f"{label} on {n} ranks"
+        found = evidence(r, x["run_dir"], total_steps="engine_steps")
+        assert found["world_size"] == n and found["global_batch"] == row["batch"], \
+            f"{what}: the run had {found['world_size']} ranks at global batch {found['global_batch']}"
+        try:
+            spec = json.loads(read_run_file(r[WORKDIR], f"{x['run_dir']}/spec.json"))
+        except Exception as e:  # missing, a link, too big, not JSON: all the student's files
+            raise AssertionError(f"{what}: the run's spec.json could not be read ({type(e).__name__})") from None
+        assert spec["optim"]["name"] == row["optimizer"], f"{what}: the run trained with {spec['optim']['name']}"
+        try:
+            text = read_run_file(r[WORKDIR], f"{x['run_dir']}/events/rank-0.jsonl")
+            step_s = engine_step_s([json.loads(line) for line in text.splitlines() if line.strip()])
+        except Exception as e:  # missing, a link, too big, not events: all the student's files
+            raise AssertionError(f"{what}: the run's rank-0 events could not be read ({type(e).__name__})") from None
+        close(step_s, x["step_s"], what=f"{what} step time")
+        assert x["steps"] == row["reached"]["steps"], \
+            f"{what}: {x['steps']} steps, the race took {row['reached']['steps']}"
+        assert math.isclose(x["seconds"], x["steps"] * x["step_s"], rel_tol=1e-9), f"{what}: seconds"

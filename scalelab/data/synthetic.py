@@ -22,7 +22,7 @@ def heat_fields(samples: int, size: int, classes: int, seed: int) -> tuple[np.nd
     centres = np.linspace(*KAPPA_RANGE, classes)
     half_gap = (centres[1] - centres[0]) / 2 if classes > 1 else 0.01
     kappa = centres[y] + rng.uniform(-0.4, 0.4, samples) * half_gap
-    u = _random_blobs(rng, samples, size)
+    u = random_blobs(rng, samples, size)
     k = kappa[:, None, None].astype(np.float32)
     for _ in range(HEAT_STEPS):
         lap = (np.roll(u, 1, 1) + np.roll(u, -1, 1) + np.roll(u, 1, 2) + np.roll(u, -1, 2) - 4 * u)
@@ -32,7 +32,8 @@ def heat_fields(samples: int, size: int, classes: int, seed: int) -> tuple[np.nd
     return u[:, None].astype(np.float32), y.astype(np.int64)
 
 
-def _random_blobs(rng, n: int, size: int) -> np.ndarray:
+def random_blobs(rng, n: int, size: int) -> np.ndarray:
+    """n rough fields of `size` x `size` with three Gaussian blobs each (the initial conditions of heat fields)."""
     grid = np.arange(size, dtype=np.float32)
     xx, yy = np.meshgrid(grid, grid, indexing="ij")
     u = rng.normal(0, 0.3, (n, size, size)).astype(np.float32)  # rough background the diffusion smooths

@@ -38,12 +38,19 @@ import torch.nn.functional as F
 from ..cluster.slurm import job_fields, job_phase, slurm_command, slurm_env
 from ..errors import LaunchError, RunFailed, SpecError
 from ..launch.base import start_process
+from ..paths import json_lines
 from ..run.procs import scrub_env
 from .large_batch import _batches, one_thread
 
 SPACE = {"lr": (1e-3, 1.0), "width": (8, 128), "weight_decay": (1e-6, 1e-2)}
 """The search space: lr and weight decay log-uniform, width an integer on a log scale (hidden units)."""
+ENGINE_SPACE = {"lr": (1e-3, 1.0), "width": [8, 16, 32], "weight_decay": (1e-6, 1e-2)}
+"""The space of engine-run trials (`trial_run_spec`): width is the CNN's first channels (a choice: GroupNorm needs
+channels its 8 groups divide)."""
+ENGINE_BATCH = 64
 LAUNCHERS = ("local", "slurm")
+NOT_WRITTEN = "objective-not-written"
+"""A worker leaves this file in out_dir when the student's objective raised NotImplementedError."""
 BATCH = 64  # samples per step: a trial of 80 steps is well under a second on one CPU thread
 
 
@@ -56,11 +63,12 @@ def trial_spec(params: dict, seed: int = 0):
         "optim.weight_decay": float(params["weight_decay"]), "optim.batch_per_worker": BATCH, "seed": seed})
 
 
-def suggest(trial) -> dict:
-    """The trial's hyperparameters, drawn from SPACE."""
-    return {"lr": trial.suggest_float("lr", *SPACE["lr"], log=True),
-            "width": trial.suggest_int("width", *SPACE["width"], log=True),
-            "weight_decay": trial.suggest_float("weight_decay", *SPACE["weight_decay"], log=True)}
+def suggest(trial, space: dict = SPACE) -> dict:
+    """The trial's hyperparameters, drawn from `space` (SPACE, or ENGINE_SPACE for engine-run trials)."""
+    return {"lr": trial.suggest_float("lr", *space["lr"], log=True),
+            "width": trial.suggest_categorical("width", space["width"]) if isinstance(space["width"], list)
+            else trial.suggest_int("width", *space["width"], log=True),
+            "weight_decay": trial.suggest_float("weight_decay", *space["weight_decay"], log=True)}
 
 
 def objective(trial, steps: int, report_every: int, seed: int) -> float:
@@ -89,6 +97,44 @@ def objective(trial, steps: int, report_every: int, seed: int) -> float:
             if step < steps and trial.should_prune():
                 raise optuna.TrialPruned()
     return accuracy
+
+
+def trial_run_spec(trial, cfg: dict):
+    """The engine run of a trial whose objective is the student's (`parallel_hpo(objective=...)`): the engine's
+    small CNN on the heat fields (a step of ~3-10 ms on one thread, so an objective watching its events can stop it
+    in time) with the trial's lr, channels and weight decay (ENGINE_SPACE), one rank on one thread, `steps` steps,
+    an `eval` event every `report_every` steps, its folder <out_dir>/trials/<number>."""
+    p = suggest(trial, ENGINE_SPACE)
+    return trial_spec(p, cfg["seed"]).with_overrides({
+        "name": f"hpo-trial-{trial.number}", "output_dir": str(Path(cfg["out_dir"]) / "trials" / f"{trial.number:03d}"),
+        "data.source": "heat", "model.name": "cnn", "model.depth": 2, "optim.batch_per_worker": ENGINE_BATCH,
+        "steps": cfg["steps"], "eval_every": cfg["report_every"], "world.workers_per_node": 1,
+        "world.threads_per_worker": 1})
+
+
+def engine_objective(trial, spec) -> float:
+    """The library's answer to lab 10's exercise 1: launch the trial's engine run, report rank 0's held-out
+    accuracy at every `eval` event as it is written, stop the run and prune the trial when the pruner says so;
+    else the run's final accuracy."""
+    import optuna
+
+    from ..launch import launch
+    run = launch(spec)
+    for event in run.follow("eval"):
+        if event.get("rank", 0) == 0:
+            trial.report(event["accuracy"], event["step"])
+            if trial.should_prune():
+                run.stop()
+                raise optuna.TrialPruned()
+    return run.wait()["eval_accuracy"]
+
+
+def steps_run(run_dir) -> int:
+    """The last step rank 0 of an engine run logged (0: none)."""
+    path = Path(run_dir) / "events" / "rank-0.jsonl"
+    steps = [e.get("step", 0) for e in json_lines(path.read_bytes()) if e.get("type") == "step"] \
+        if path.exists() else []
+    return max([s for s in steps if isinstance(s, int)], default=0)
 
 
 def storage(out_dir):
@@ -141,19 +187,34 @@ def _start_together(out_dir: Path, index: int, cfg: dict) -> None:
 
 
 def _run_trial(study, index: int, cfg: dict) -> int:
-    """Ask the study for a trial, train it, tell the study how it ended."""
+    """Ask the study for a trial, train it (in this process, or as an engine run the student's objective launches),
+    tell the study how it ended."""
     import optuna
     trial = study.ask()
     trial.set_user_attr("pid", os.getpid())
     trial.set_user_attr("host", socket.gethostname())
     trial.set_user_attr("worker", index)
+    spec = trial_run_spec(trial, cfg) if cfg.get("objective") else None
     try:
-        value = objective(trial, cfg["steps"], cfg["report_every"], cfg["seed"])
-        study.tell(trial, value)
+        if spec is None:
+            value = objective(trial, cfg["steps"], cfg["report_every"], cfg["seed"])
+        else:
+            from .own_code import load_own
+            try:
+                value = float(load_own(cfg["objective"], source_dir=cfg["code_dir"])[0](trial, spec))
+            except NotImplementedError:  # the exercise is not written yet: the parent says so (parallel_hpo)
+                (Path(cfg["out_dir"]) / NOT_WRITTEN).touch()
+                raise
         state = "complete"
     except optuna.TrialPruned:
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         state = "pruned"
+    if spec is not None:  # what ran is what the run's own events say
+        trial.set_user_attr("run_dir", spec.output_dir)
+        trial.set_user_attr("steps", steps_run(spec.output_dir))
+    if state == "complete":
+        study.tell(trial, value)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     print(f"worker {index}: trial {trial.number} {state} {trial.params}", flush=True)
     return 1
 
@@ -244,12 +305,13 @@ def _tail(out_dir: Path, index: int, lines: int = 8) -> str:
 
 
 def prepare_study(out_dir, trials: int, steps: int, seed: int, report_every: int = 10, startup_trials: int = 10,
-                  pruner_startup: int = 2, workers: int = 1, sync_start_s: float = 0.0) -> Path:
+                  pruner_startup: int = 2, workers: int = 1, sync_start_s: float = 0.0,
+                  objective: str | None = None) -> Path:
     """Write the settings and create an empty study in `out_dir` (replacing an earlier one); returns `out_dir`."""
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out_dir = Path(out_dir).resolve()
-    for old in ("study.journal", "claims", "logs", "ready", "hpo.json"):
+    for old in ("study.journal", "claims", "logs", "ready", "hpo.json", "trials", NOT_WRITTEN):
         path = out_dir / old
         if path.is_dir():
             shutil.rmtree(path)
@@ -259,7 +321,7 @@ def prepare_study(out_dir, trials: int, steps: int, seed: int, report_every: int
     (out_dir / "logs").mkdir()
     cfg = {"study": "scalelab-hpo", "trials": trials, "steps": steps, "seed": seed, "report_every": report_every,
            "startup_trials": startup_trials, "pruner_startup": pruner_startup, "workers": workers,
-           "sync_start_s": sync_start_s}
+           "sync_start_s": sync_start_s, "objective": objective, "code_dir": os.getcwd(), "out_dir": str(out_dir)}
     (out_dir / "hpo.json").write_text(json.dumps(cfg, indent=1))
     optuna.create_study(study_name=cfg["study"], storage=storage(out_dir), direction="maximize")
     return out_dir
@@ -268,36 +330,50 @@ def prepare_study(out_dir, trials: int, steps: int, seed: int, report_every: int
 def parallel_hpo(out_dir, trials: int = 16, workers: int = 2, steps: int = 80, seed: int = 0,
                  launcher: str = "local", report_every: int = 10, startup_trials: int = 10,
                  pruner_startup: int = 2, sync_start_s: float = 0.0, env: dict | None = None,
-                 python: str | None = None, timeout: float = 600) -> dict:
+                 python: str | None = None, timeout: float = 600, objective: str | None = None) -> dict:
     """Run `trials` trials on `workers` worker processes (local) or batch jobs (slurm) sharing one journal file in
     `out_dir` (on a file system the nodes share, for slurm); returns the summary (`summarize`) plus "launcher",
     "workers" and "wall_s". TPE samples at random for the first `startup_trials` trials; the pruner stops
     nothing before `pruner_startup` trials have finished. With `sync_start_s` > 0 each worker waits (that long
     at most) for the others to be up before its first trial: for a demonstration on one machine; leave it 0 on a
-    busy queue, where a worker's job may start much later. A rerun in the same `out_dir` replaces the study."""
+    busy queue, where a worker's job may start much later. A rerun in the same `out_dir` replaces the study.
+    `objective` ("module:function" beside the notebook, e.g. "my_objective:objective"): each trial is an engine
+    run (`trial_run_spec`) that function launches and reports (`engine_objective` is the library's own); default:
+    the trial trains in the worker's process."""
     _check(trials, workers, steps, report_every, launcher)
+    if objective is not None:
+        from ..run.validate import CODE_REF
+        if not isinstance(objective, str) or not CODE_REF.match(objective) or "." in objective.partition(":")[0]:
+            raise SpecError("objective", f"{objective!r} must name a function in a module beside the notebook, "
+                                         "as module:function (e.g. my_objective:objective)")
     out_dir = prepare_study(out_dir, trials, steps, seed, report_every, startup_trials, pruner_startup, workers,
-                            sync_start_s)
+                            sync_start_s, objective)
     env = scrub_env(env)
     env["OMP_NUM_THREADS"] = "1"
     start, deadline = time.monotonic(), time.monotonic() + timeout
-    if launcher == "local":
-        procs = _start_local(out_dir, workers, env, python)
-        try:
-            _wait_local(procs, out_dir, deadline)
-        finally:  # an interrupt (or a failed worker) ends the others
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-    else:
-        env = slurm_env(env)
-        jobs = _start_slurm(out_dir, workers, env, python)
-        try:
-            _wait_slurm(jobs, out_dir, env, deadline)
-        except BaseException:
-            for job in jobs:
-                slurm_command(["scancel", job], env)
-            raise
+    try:
+        if launcher == "local":
+            procs = _start_local(out_dir, workers, env, python)
+            try:
+                _wait_local(procs, out_dir, deadline)
+            finally:  # an interrupt (or a failed worker) ends the others
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+        else:
+            env = slurm_env(env)
+            jobs = _start_slurm(out_dir, workers, env, python)
+            try:
+                _wait_slurm(jobs, out_dir, env, deadline)
+            except BaseException:
+                for job in jobs:
+                    slurm_command(["scancel", job], env)
+                raise
+    except RunFailed:
+        if (out_dir / NOT_WRITTEN).exists():
+            from .own_code import not_written
+            raise not_written(objective) from None
+        raise
     return {**summarize(out_dir), "launcher": launcher, "workers": workers, "wall_s": time.monotonic() - start}
 
 
@@ -315,7 +391,8 @@ def summarize(out_dir) -> dict:
         rows.append({"number": t.number, "params": dict(t.params), "state": t.state.name.lower(),
                      "value": t.value if t.value is not None else t.intermediate_values.get(a.get("steps")),
                      "steps": a.get("steps", 0), "pid": a.get("pid"), "host": a.get("host"),
-                     "worker": a.get("worker"), "seconds": (t.datetime_complete - t.datetime_start).total_seconds()
+                     "worker": a.get("worker"), "run_dir": a.get("run_dir"),
+                     "intermediate": {str(k): v for k, v in sorted(t.intermediate_values.items())}, "seconds": (t.datetime_complete - t.datetime_start).total_seconds()
                      if t.datetime_complete and t.datetime_start else None})
     done = [r for r in rows if r["state"] == "complete"]
     best = max(done, key=lambda r: r["value"]) if done else None

@@ -218,6 +218,37 @@ def evolve(generations: int = 4, steps: int = 60, seed: int = 0, start: tuple = 
             "children": len(children)}
 
 
+def fine_tune_head(model: nn.Module, steps: int = 30, seed: int = 0, lr: float = 0.05) -> dict:
+    """A copy of `model` whose output layer only is trained `steps` steps on the digits (every other layer frozen:
+    requires_grad off, so its tensors stay bit-equal to the parent's). Returns {"state_dict", "trained": the names
+    of the tensors training changed, "start_accuracy", "accuracy", "steps"}."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise SpecError("steps", f"must be a positive integer, got {steps!r}")
+    import copy
+    child = copy.deepcopy(model)
+    head = linears(child)[-1]
+    for p in child.parameters():
+        p.requires_grad_(False)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    before = {k: v.detach().clone() for k, v in child.state_dict().items()}
+    with one_thread():
+        data = Digits(seed)
+        start = data.accuracy(child)
+        opt = torch.optim.SGD([p for p in child.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+        batches = _batches(data.train, BATCH, seed + 7)
+        for _ in range(steps):
+            x, y = next(batches)
+            loss = F.cross_entropy(child(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        accuracy = data.accuracy(child)
+    state = {k: v.detach().clone() for k, v in child.state_dict().items()}
+    return {"state_dict": state, "trained": sorted(k for k in state if not torch.equal(state[k], before[k])),
+            "start_accuracy": start, "accuracy": accuracy, "steps": steps}
+
+
 def _record(id_: int, parent, model: nn.Module, mutation, out: Path | None, **fields) -> dict:
     """One model's entry: ids, architecture, results, its weights (and where they were saved)."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -2,13 +2,16 @@
 sizes and optimizers, and K-FAC distributed the KAISA way (`scalelab.train.kfac`).
 
     ratios = trust_ratios(model)                                  # per layer: eta |w| / (|g| + wd |w|)
-    rows = time_to_accuracy(spec, [{"optimizer": "sgd", "batch": 32, "lr": 0.05}, ...], target=0.8)
+    race_rows = time_to_target(spec, [{"optimizer": "sgd", "batch": 32, "lr": 0.05}, ...], target=0.8, samples=8000)
     ranks = run_spmd("scalelab.experiments.optimization:kfac_trajectory", world=2, kwargs={"fraction": 0.5})
+    times = step_times_on_ranks(spec, race_rows, ranks=[1, 2], out_dir="runs/on-ranks", steps=6)   # engine runs
+    table = time_to_accuracy_on_ranks(race_rows, times)          # steps to the target (B) x step time (B, N)
 """
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -201,5 +204,116 @@ def time_to_target(spec, runs: list[dict], target: float, samples: int, evals: i
             label = run.get("label") or f"{run['optimizer']} b{batch}"
             out.append({"label": label, "optimizer": run["optimizer"], "batch": batch, "lr": lr, "steps": steps,
                         "seconds_per_step": train_s / steps, "final_accuracy": curve[-1]["accuracy"],
-                        "curve": curve, "target": target, "reached": hit})
+                        "curve": curve, "target": target, "reached": hit, "set": dict(run.get("set", {}))})
+    return out
+
+
+# -- time to accuracy on N ranks -----------------------------------------------------------------------------
+def engine_step_s(events: list[dict]) -> float:
+    """A run's seconds per step from its own events: rank 0's mean `step_s - data_s` (the step's compute and
+    communication, the wait for the loader left out), its first step(s) left out as the engine's throughput leaves
+    them out (`run.metrics.warmup_skip`: process-group set-up, allocator warm-up). Why without the loader's wait:
+    over a few steps on a busy machine one step that waited for the loader (hundreds of ms of `data_s`, where a
+    step computes in a few) is most of the mean; the mean, not the median, so that K-FAC's eigendecompositions
+    (every `kfac_inv_every` steps) count at their share."""
+    from ..run.metrics import warmup_skip
+    steps = sorted((e for e in events if e.get("type") == "step" and e.get("rank") == 0), key=lambda e: e["step"])
+    measured = steps[warmup_skip(len(steps)):]
+    if not measured:
+        raise ValueError("the run wrote no step events on rank 0: no step time to read")
+    return sum(e["step_s"] - e.get("data_s", 0.0) for e in measured) / len(measured)
+
+
+def step_times_on_ranks(spec, rows: list[dict], ranks: list[int], out_dir, steps: int, device: str = "cpu",
+                        processes: int | None = None, timeout: float = 300) -> list[dict]:
+    """One engine run of `spec` (DDP) per race row that reached its target and per rank count N in `ranks`: the
+    row's optimizer, its "set" overrides (K-FAC's) and its global batch B, split B / N per rank, for `steps`
+    steps. Runs go side by side, at most `processes` ranks measuring at once (by default as many as this machine
+    has cores, up to 4: one rank per core, so no run measures a step on a shared core; on 2 cores two 1-rank runs
+    or one 2-rank run),
+    the next starting as one has written its last event: a run's start-up and wind-down (imports, process group)
+    are most of its seconds at these sizes, and each run's step time is then measured beside about as many ranks
+    as any other's. Returns per run, in the order of `rows` then `ranks`: label, optimizer, batch, ranks, run_dir
+    and step_s (`engine_step_s` of its events). A row that never reached the target needs no step time: it is
+    skipped."""
+    from ..launch import launch
+    processes = processes or max(1, min(4, os.cpu_count() or 1))
+    todo = []
+    for row in rows:
+        if not row["reached"]:
+            continue
+        for n in ranks:
+            if row["batch"] % n:
+                raise ValueError(f"{row['label']}: global batch {row['batch']} does not split over {n} ranks; "
+                                 "pick rank counts that divide every batch")
+            name = f"{row['label'].replace(' ', '-')}-n{n}"
+            todo.append((row, n, spec.with_overrides({
+                "name": f"lab09-{name}", "output_dir": str(Path(out_dir) / name), "device": device, "steps": steps,
+                "log_every": 1, "world.workers_per_node": n, "world.threads_per_worker": 1,
+                "optim.name": row["optimizer"], "optim.batch_per_worker": row["batch"] // n, "optim.lr": row["lr"],
+                "optim.lr_scaling": "none", "optim.warmup_steps": 0, **row.get("set", {})})))
+    out: dict[int, dict] = {}
+    for i, run in _side_by_side([(n, one) for _, n, one in todo], processes, timeout, launch):
+        row, n, _ = todo[i]
+        out[i] = {"label": row["label"], "optimizer": row["optimizer"], "batch": row["batch"], "ranks": n,
+                  "run_dir": str(run.run_dir), "step_s": engine_step_s(run.events())}
+    return [out[i] for i in sorted(out)]
+
+
+def _side_by_side(todo: list[tuple[int, object]], processes: int, timeout: float, launch):
+    """Launch each (ranks, spec) of `todo`, fewest ranks first, with at most `processes` ranks measuring at once (a
+    run larger than that alone): the next starts as soon as one has written every rank's `end` event (its step
+    events are all written; what is left is the processes winding down, seconds on a busy machine), not when a
+    whole group has. Yields (index, run) for each such run; every run is waited for before the generator ends, and
+    one that fails or outlives `timeout` stops the others and raises."""
+    from ..run.handle import ACTIVE
+
+    def ended(run, n: int) -> bool:
+        return run.poll() not in ACTIVE or len({e.get("rank") for e in run.events() if e["type"] == "end"}) >= n
+
+    pending = sorted(range(len(todo)), key=lambda i: todo[i][0])
+    active: dict[int, tuple[object, float]] = {}
+    winding: list = []
+    try:
+        while pending or active:
+            while pending and (not active or sum(todo[i][0] for i in active) + todo[pending[0]][0] <= processes):
+                i = pending.pop(0)
+                active[i] = (launch(todo[i][1]), time.monotonic())
+            for i, (run, t0) in list(active.items()):
+                if ended(run, todo[i][0]):
+                    del active[i]
+                    winding.append((run, t0))
+                    if run.poll() not in ACTIVE:
+                        run.wait(timeout=0)  # raises RunFailed where it failed
+                    yield i, run
+                elif time.monotonic() - t0 > timeout:
+                    run.wait(timeout=0)  # raises RunTimeout
+            time.sleep(0.05)
+        for run, t0 in winding:
+            run.wait(timeout=max(timeout - (time.monotonic() - t0), 1.0))
+    finally:
+        for run, _ in list(active.values()) + winding:  # one failed or timed out: the others stop too
+            if run.poll() in ACTIVE:
+                run.stop()
+
+
+def time_to_accuracy_on_ranks(race: list[dict], step_times: list[dict]) -> list[dict]:
+    """time_to_target(B, N) = steps_to_target(B) x step_time(B, N). N ranks of B / N samples compute the gradient
+    of one batch of B (lab 02), so the steps a run needs to reach the target depend on the global batch B and the
+    optimizer, not on N: they come from the in-process `race` (`time_to_target`'s rows); the seconds each step
+    takes on N ranks come from engine runs (`step_times_on_ranks`). One row per step time, in its order: label,
+    optimizer, batch, ranks, steps, step_s, seconds and run_dir; a label the race never ran is an error."""
+    by_label = {row["label"]: row for row in race}
+    out = []
+    for st in step_times:
+        row = by_label.get(st["label"])
+        if row is None:
+            raise ValueError(f"step time for {st['label']!r}, which the race did not run: labels {sorted(by_label)}")
+        if row["batch"] != st["batch"] or row["optimizer"] != st["optimizer"]:
+            raise ValueError(f"{st['label']!r}: the race ran {row['optimizer']} at batch {row['batch']}, the step "
+                             f"time is of {st['optimizer']} at batch {st['batch']}")
+        steps = row["reached"]["steps"] if row["reached"] else None
+        out.append({"label": st["label"], "optimizer": st["optimizer"], "batch": st["batch"], "ranks": st["ranks"],
+                    "steps": steps, "step_s": st["step_s"], "seconds": None if steps is None else steps * st["step_s"],
+                    "run_dir": st.get("run_dir")})
     return out

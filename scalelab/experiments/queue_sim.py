@@ -1,4 +1,4 @@
-"""Lab 10 (ML for HPC): a job chain on a busy Slurm-like queue, submitted reactively or proactively (Mirage-style).
+"""Lab 11 (ML for HPC): a job chain on a busy Slurm-like queue, submitted reactively or proactively (Mirage-style).
 
     r = compare_policies(nodes=32, days=4, load=0.9, seed=0, links=4, link_hours=2.0, link_nodes=8)
     r["reactive"]["idle_gap_h"], r["afterok"]["idle_gap_h"], r["predictive"]["idle_gap_h"]   # per link transition
@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from ..errors import SpecError
 
 POLICIES = ("reactive", "afterok", "predictive")
+DRIVEN = ("decide", "replay")
+"""Chain policies driven from outside (queue_policy.py): "decide" asks a callable at every poll whether to submit
+the next link now; "replay" submits each link at a recorded time (how a grader re-simulates a student's policy)."""
 PRIORITIES = ("submit", "eligible")
 
 
@@ -177,11 +180,44 @@ def predicted_wait(sim: Simulator, window_h: float, nodes: int = 1, quantile: fl
     return recent[min(len(recent) - 1, int(quantile * len(recent)))]
 
 
+class QueueView:
+    """What a provisioning policy sees at a poll: the time, when the running link ends (its checkpoint exists), the
+    size of the next link, and the queue: waiting and running jobs, free nodes, recent waits (`features()`)."""
+
+    def __init__(self, sim: Simulator, ready_h: float, nodes: int, window_h: float):
+        self.now_h, self.ready_h, self.nodes, self.window_h, self._sim = sim.now, ready_h, nodes, window_h, sim
+
+    @property
+    def left_h(self) -> float:
+        """Hours until the running link ends."""
+        return self.ready_h - self.now_h
+
+    def features(self) -> dict[str, float]:
+        """The queue now, as numbers a wait model reads (queue_policy.FEATURES, in that order)."""
+        return queue_state(self._sim, self.nodes, self.window_h)
+
+
+def queue_state(sim: Simulator, nodes: int, window_h: float = 6.0) -> dict[str, float]:
+    """The queue as a job of `nodes` nodes submitted now would meet it: hours of whole-cluster work waiting ahead
+    of it (by requested limits), hours of work the running jobs may still hold, the fraction of nodes free, its
+    share of the cluster, and the median wait of comparable jobs in the last `window_h` hours."""
+    total = sim.nodes
+    return {"ahead_h": sum(j.nodes * j.walltime for j in sim.queue + sim.held) / total,
+            "running_h": sum(j.nodes * max(0.0, j.start + j.walltime - sim.now) for j in sim.running) / total,
+            "free": sim.free / total, "size": nodes / total,
+            "recent_wait_h": predicted_wait(sim, window_h, nodes)}
+
+
 def simulate(trace: list[Job], nodes: int, policy: str = "reactive", links: int = 4, link_hours: float = 2.0,
              link_nodes: int = 8, chain_start_h: float = 48.0, priority: str = "submit", window_h: float = 6.0,
-             quantile: float = 0.5, slack_h: float | None = None) -> dict:
-    """Run the trace with one job chain under `policy`; returns the chain's figures (`chain_figures`)."""
-    _check(policy, priority, links, link_nodes, nodes)
+             quantile: float = 0.5, slack_h: float | None = None, decide=None, poll_h: float = 0.25,
+             submit_at: list[float] | None = None) -> dict:
+    """Run the trace with one job chain under `policy`; returns the chain's figures (`chain_figures`).
+
+    policy "decide": from each link's start, every `poll_h` hours, `decide(view)` (a `QueueView` of the queue now)
+    says whether to submit the next link now; at the latest it is submitted when its predecessor ends.
+    policy "replay": link i >= 1 is submitted at `submit_at[i - 1]` (or when its predecessor starts, if later)."""
+    _check(policy, priority, links, link_nodes, nodes, decide, submit_at)
     slack = link_hours / 2 if slack_h is None else slack_h
     sim = Simulator(nodes, priority)
     for bg in trace:
@@ -211,6 +247,16 @@ def simulate(trace: list[Job], nodes: int, policy: str = "reactive", links: int 
         if policy == "predictive" and i + 1 < links:
             t = max(sim.now, ready[i + 1] - predicted_wait(sim, window_h, link_nodes, quantile))
             sim.at(t, submit_predictive, i + 1)
+        elif policy == "decide" and i + 1 < links:
+            sim.at(sim.now, poll, i + 1)
+        elif policy == "replay" and i + 1 < links:
+            sim.at(max(sim.now, submit_at[i]), submit_predictive, i + 1)
+
+    def poll(i: int) -> None:
+        if sim.now >= ready[i] or decide(QueueView(sim, ready[i], link_nodes, window_h)):
+            submit_predictive(i)
+        else:
+            sim.at(min(sim.now + poll_h, ready[i]), poll, i)
 
     def on_end(job: Job) -> None:
         if job.link is None:
@@ -254,10 +300,16 @@ def chain_figures(chain: list[Job], links: int, link_hours: float, chain_start_h
                        "nodes": j.nodes} for j in chain]}
 
 
-def _check(policy, priority, links, link_nodes, nodes) -> None:
+def _check(policy, priority, links, link_nodes, nodes, decide=None, submit_at=None) -> None:
     """Name the first bad argument."""
-    if policy not in POLICIES:
-        raise SpecError("policy", f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}")
+    if policy not in POLICIES + DRIVEN:
+        raise SpecError("policy", f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES + DRIVEN)}")
+    if policy == "decide" and not callable(decide):
+        raise SpecError("decide", f"policy 'decide' needs a function decide(view) -> bool, got {decide!r}")
+    if policy == "replay" and (not isinstance(submit_at, (list, tuple)) or len(submit_at) != links - 1
+                               or not all(isinstance(t, (int, float)) and math.isfinite(t) for t in submit_at)):
+        raise SpecError("submit_at", f"policy 'replay' needs the {links - 1} submit times of links 1..{links - 1} "
+                                     f"in hours, got {submit_at!r}")
     if priority not in PRIORITIES:
         raise SpecError("priority", f"unknown priority {priority!r}; choose one of: {', '.join(PRIORITIES)}")
     if links < 2:

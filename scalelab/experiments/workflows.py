@@ -1,10 +1,12 @@
 """Lab 10: workflows for science — a lineage store of models that share tensors with their parents, continual
 learning on a drifting stream of heat-equation fields (forgetting, then a rehearsal buffer spread over the
-ranks), and a performance model trained on the course's own runs (ML for HPC).
+ranks), and (lab 11, ML for HPC) a performance model fitted on a grid of the course's own engine runs and tested
+on runs between the grid's points.
 
     store = LineageStore(out / "lineage"); store.put("child", model.state_dict(), parent="parent")
-    acc = continual_run(tasks=3, buffer=200)                  # or on ranks: run_spmd(".../continual_run", world=2)
-    rows = run_rows(runs_root); fit = fit_perf_model(train_rows); error = holdout_error(fit, test_rows)
+    acc = continual_run(tasks=3, buffer=200, keep="my_buffer:keep")  # or on ranks: run_spmd(".../continual_run")
+    sweep = perf_sweep(out / "perf", [16, 64, 256], [16, 64], [1, 2])  # 12 runs on the grid, 4 between its points
+    fit = fit_perf_model(train_rows); error = holdout_error(fit, held_rows)
 """
 from __future__ import annotations
 
@@ -108,25 +110,51 @@ def drifting_tasks(tasks: int = 3, per_task: int = 600, size: int = 16, seed: in
     return out
 
 
-class _ReplayBuffer:
-    """Reservoir sampling: every sample of the stream so far has the same chance to be in the buffer."""
+def reservoir_keep(seen: int, capacity: int, rng) -> int | None:
+    """Reservoir sampling (Vitter's algorithm R), the library's answer to lab 10's exercise 5: the `seen`-th sample
+    of the stream (1-based) takes slot seen - 1 while the buffer has room, then replaces a random slot with
+    probability capacity / seen: every sample seen so far is in the buffer with the same chance."""
+    if seen <= capacity:
+        return seen - 1
+    j = int(rng.integers(0, seen))
+    return j if j < capacity else None
 
-    def __init__(self, capacity: int, seed: int):
-        self.capacity, self.seen, self.x, self.y = capacity, 0, [], []
-        self.rng = np.random.default_rng(seed)
 
-    def add(self, xb, yb):
+class ReplayBuffer:
+    """A rehearsal buffer of at most `capacity` samples; `keep(seen, capacity, rng)` decides where each new sample
+    goes (a slot to fill or replace, None: dropped). Tracks which task each kept sample came from."""
+
+    def __init__(self, capacity: int, seed: int, keep=reservoir_keep):
+        self.capacity, self.seen, self.x, self.y, self.task = capacity, 0, [], [], []
+        self.keep, self.rng = keep, np.random.default_rng(seed)
+
+    def add(self, xb, yb, task: int = 0):
         for xi, yi in zip(xb, yb):
             self.seen += 1
-            if len(self.x) < self.capacity:
+            slot = self.keep(self.seen, self.capacity, self.rng)
+            if slot is None:
+                continue
+            if isinstance(slot, (np.integer,)):
+                slot = int(slot)
+            if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot <= min(len(self.x),
+                                                                                         self.capacity - 1):
+                raise ValueError(f"keep({self.seen}, {self.capacity}, rng) returned {slot!r}: it must return a slot "
+                                 f"0..{min(len(self.x), self.capacity - 1)} (the buffer holds {len(self.x)} samples; "
+                                 f"slot {len(self.x)} appends) or None to drop the sample")
+            if slot == len(self.x):
                 self.x.append(xi)
                 self.y.append(yi)
-            elif (j := self.rng.integers(0, self.seen)) < self.capacity:
-                self.x[j], self.y[j] = xi, yi
+                self.task.append(task)
+            else:
+                self.x[slot], self.y[slot], self.task[slot] = xi, yi, task
 
     def sample(self, n: int):
         idx = self.rng.integers(0, len(self.x), n)
         return torch.stack([self.x[i] for i in idx]), torch.stack([self.y[i] for i in idx])
+
+    def by_task(self, tasks: int) -> list[int]:
+        """How many buffered samples came from each task."""
+        return [self.task.count(t) for t in range(tasks)]
 
 
 def _cl_model(size: int, classes: int, seed: int) -> nn.Module:
@@ -141,18 +169,26 @@ def _accuracy(model, x, y) -> float:
 
 
 def continual_run(tasks: int = 3, buffer: int = 0, steps_per_task: int = 150, batch: int = 32, lr: float = 0.05,
-                  per_task: int = 600, seed: int = 0) -> dict:
-    """Train one model on the tasks in order. With `buffer` > 0, each rank keeps a reservoir of buffer/W past
+                  per_task: int = 600, seed: int = 0, keep: str | None = None) -> dict:
+    """Train one model on the tasks in order. With `buffer` > 0, each rank keeps a rehearsal buffer of buffer/W past
     samples and half of every batch is replayed from it (on W ranks the buffer is spread over them; gradients
-    are averaged, so the model sees the whole buffer). Returns acc[i][j]: accuracy on task j's test set after
-    training task i, the final mean accuracy on the old tasks, and forgetting per task (best minus final)."""
+    are averaged, so the model sees the whole buffer). `keep` ("module:function" beside the notebook, e.g.
+    "my_buffer:keep", loaded afresh: experiments/own_code.py) decides what the buffer keeps; default: reservoir
+    sampling. Returns acc[i][j]: accuracy on task j's test set after training task i, the final mean accuracy on
+    the old tasks, forgetting per task (best minus final), and the buffer's samples per task after each task
+    (`buffer_tasks`) with the SHA-256 of the `keep` code that ran (`code`)."""
     torch.set_num_threads(1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
+    keep_fn, code = reservoir_keep, {}
+    if keep and buffer:
+        from .own_code import load_own
+        keep_fn, code = load_own(keep)
     stream = drifting_tasks(tasks, per_task, seed=seed)
     model = _cl_model(stream[0][0].shape[-1], 2 * tasks, seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    replay = _ReplayBuffer(buffer // world, seed + 1000 + rank) if buffer else None
+    replay = ReplayBuffer(buffer // world, seed + 1000 + rank, keep_fn) if buffer else None
+    buffer_tasks = []
     g = torch.Generator().manual_seed(seed + rank)
     acc = []
     for t, (x, y, _, _) in enumerate(stream):
@@ -171,13 +207,30 @@ def continual_run(tasks: int = 3, buffer: int = 0, steps_per_task: int = 150, ba
             opt.step()
             opt.zero_grad()
             if replay is not None:
-                replay.add(x[idx], y[idx])
+                replay.add(x[idx], y[idx], t)
         acc.append([_accuracy(model, xt, yt) for (_, _, xt, yt) in stream])
+        buffer_tasks.append(replay.by_task(tasks) if replay is not None else [0] * tasks)
     old = [acc[-1][j] for j in range(tasks - 1)]
     return {"acc": acc, "old_accuracy": sum(old) / len(old) if old else float("nan"),
             "final_accuracy": sum(acc[-1]) / tasks, "buffer": buffer, "buffer_per_rank": buffer // world,
             "forgetting": [max(acc[i][j] for i in range(j, tasks)) - acc[-1][j] for j in range(tasks - 1)],
-            "world": world, "rank": rank, "steps_per_task": steps_per_task}
+            "world": world, "rank": rank, "steps_per_task": steps_per_task, "batch": batch,
+            "buffer_tasks": buffer_tasks, "seen": replay.seen if replay is not None else 0, "code": code}
+
+
+def continual_compare(buffers, keep: str | None = None, **kwargs) -> dict:
+    """`continual_run` for each buffer size (`keep` deciding what each buffer keeps): {"runs": {str(size):
+    result}, "not_implemented": [sizes whose keep raised NotImplementedError: an exercise not written yet]}."""
+    from .own_code import not_written
+    runs, missing = {}, []
+    for b in buffers:
+        try:
+            runs[str(b)] = continual_run(buffer=b, keep=keep, **kwargs)
+        except NotImplementedError:
+            missing.append(b)
+    if missing:
+        print(not_written(keep or "my_buffer:keep"))
+    return {"runs": runs, "not_implemented": missing}
 
 
 # -- a performance model from the course's own runs ---------------------------------------------------------
@@ -207,6 +260,47 @@ def run_rows(root, links: dict | None = None) -> list[dict]:
                      "link_mbit": link_mbit((links or {}).get(str(run_dir), "")),
                      "samples_per_s": s["samples_per_s"]})
     return rows
+
+
+def perf_shapes(widths, batches, ranks) -> tuple[list[tuple], list[tuple]]:
+    """The performance model's runs: (width, batch per rank, ranks) on the full grid of `widths` x `batches` x
+    `ranks` (what the model is fitted on), and held-out shapes *between* the grid's points (the geometric means of
+    neighbouring widths, at the geometric mean of the smallest two batches, on each rank count): runs the model
+    has to interpolate, not repeat. 3 widths x 2 batches x 2 rank counts give 12 fitted runs and 4 held out."""
+    widths, batches, ranks = (sorted({int(v) for v in xs}) for xs in (widths, batches, ranks))
+    for name, xs, least in (("perf_widths", widths, 2), ("perf_batches", batches, 2), ("perf_ranks", ranks, 1)):
+        if len(xs) < least or xs[0] < 1:
+            raise ValueError(f"{name} {xs}: give at least {least} different positive values (a model fitted on one "
+                             "value of a feature cannot learn its effect)")
+    grid = [(w, b, n) for w in widths for b in batches for n in ranks]
+    mid_b = round(math.sqrt(batches[0] * batches[1]))
+    held = [(round(math.sqrt(a * b)), mid_b, n) for a, b in zip(widths, widths[1:]) for n in ranks]
+    return grid, [h for h in held if h not in grid]
+
+
+def perf_sweep(out, widths, batches, ranks, *, steps: int = 8, device: str = "cpu", samples: int = 2048,
+               timeout: float = 300) -> dict:
+    """Run the performance model's engine runs (`perf_shapes`), one after another (they must not compete for
+    the cores they time), each the tiny preset's MLP at its width and batch per rank, one thread per rank, under
+    `out`/w<width>-b<batch>-r<ranks>. Returns {"rows": run_rows(out) of these runs, "held_out": the held-out runs'
+    folders}."""
+    from ..launch import launch
+    from ..run.spec import preset
+    grid, held = perf_shapes(widths, batches, ranks)
+    if max(b * n for _, b, n in grid + held) > samples:
+        raise ValueError(f"a run's global batch (batch per rank x ranks) exceeds its {samples} samples: lower "
+                         "perf_batches or perf_ranks")
+    dirs = {}
+    for width, batch, n in grid + held:
+        tag = f"w{width}-b{batch}-r{n}"
+        spec = preset("tiny").replace(name=f"perf-{tag}", output_dir=str(Path(out) / tag)).with_overrides({
+            "device": device, "model.name": "mlp", "model.width": width, "optim.batch_per_worker": batch,
+            "world.workers_per_node": n, "world.threads_per_worker": 1, "steps": steps, "data.samples": samples})
+        launch(spec).wait(timeout=timeout)
+        dirs[(width, batch, n)] = spec.output_dir
+    mine = set(dirs.values())
+    rows = [r for r in run_rows(out) if r["run_dir"] in mine]
+    return {"rows": rows, "held_out": [dirs[h] for h in held]}
 
 
 def last_launch(events: list[dict]) -> list[dict]:

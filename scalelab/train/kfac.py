@@ -120,11 +120,12 @@ class KFAC(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  damping: float = 0.003, factor_decay: float = 0.95, factor_every: int = 1, inv_every: int = 10,
-                 kl_clip: float = 0.001, grad_worker_fraction: float = 1.0):
+                 kl_clip: float = 0.001, grad_worker_fraction: float = 1.0, factor_fn=None):
         self.inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
         self.defaults, self.param_groups, self.state = self.inner.defaults, self.inner.param_groups, self.inner.state
         self.damping, self.factor_decay, self.kl_clip = damping, factor_decay, kl_clip
         self.factor_every, self.inv_every = factor_every, inv_every
+        self.factor_fn = factor_fn  # a student's factor (optim.kfac_factor), checked on its first use
         self.steps = 0
         self.layers = [_Layer(i, name, m) for i, (name, m) in enumerate(
             (n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d)))]
@@ -186,7 +187,7 @@ class KFAC(torch.optim.Optimizer):
         for layer in self.layers:
             if layer.a_rows is None or layer.g_rows is None:
                 continue
-            new_a, new_g = factor(layer.a_rows), factor(layer.g_rows)
+            new_a, new_g = self._factor(layer.a_rows), self._factor(layer.g_rows)
             layer.a_rows = layer.g_rows = None
             layer.seen = True
             if self.world > 1:  # the mean over ranks, on the inverse worker only
@@ -199,6 +200,19 @@ class KFAC(torch.optim.Optimizer):
             d = self.factor_decay if layer.A is not None else 0.0
             layer.A = new_a if layer.A is None else d * layer.A + (1 - d) * new_a
             layer.G = new_g if layer.G is None else d * layer.G + (1 - d) * new_g
+
+    def _factor(self, rows: torch.Tensor) -> torch.Tensor:
+        """The Kronecker factor of `rows` (n, d): the dense one, or the student's (optim.kfac_factor), whose result
+        must be a (d, d) float tensor."""
+        if self.factor_fn is None:
+            return factor(rows)
+        out = self.factor_fn(rows)
+        d = rows.shape[1]
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (d, d) or not out.is_floating_point():
+            raise ValueError(f"optim.kfac_factor: for rows of shape {tuple(rows.shape)} it returned "
+                             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}; it must return the ({d}, {d}) "
+                             "factor as a float tensor")
+        return out.to(rows.dtype)
 
     def _update_inverses(self) -> None:
         for layer in self.layers:

@@ -53,9 +53,14 @@ def build_optimizer(optim, model: torch.nn.Module, peak_lr: float) -> torch.opti
         from .kfac import KFAC
         if not isinstance(model, torch.nn.Module):
             raise TypeError("optim.name=kfac needs the model (it hooks its layers), not a list of parameters")
+        factor_fn = None
+        if ":" in optim.kfac_factor:
+            from ..run.user_code import resolve_code
+            factor_fn = resolve_code(optim.kfac_factor, "optim.kfac_factor")
         return KFAC(model, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay,
                     damping=optim.kfac_damping, factor_every=optim.kfac_factor_every, inv_every=optim.kfac_inv_every,
-                    kl_clip=optim.kfac_kl_clip, grad_worker_fraction=optim.kfac_grad_worker_fraction)
+                    kl_clip=optim.kfac_kl_clip, grad_worker_fraction=optim.kfac_grad_worker_fraction,
+                    factor_fn=factor_fn)
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=peak_lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
