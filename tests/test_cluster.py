@@ -38,8 +38,10 @@ def setting(text: str, key: str) -> str:
 def test_cpu_machine_gets_one_default_cpu_partition_and_no_gres():
     text = conf(gpus=0)
     partitions = re.findall(r"^PartitionName=(\S+)(.*)$", text, re.M)
-    assert [p[0] for p in partitions] == ["cpu"]
+    assert [p[0] for p in partitions] == ["cpu", "grading"]
     assert "Default=YES" in partitions[0][1] and "Nodes=vm" in partitions[0][1]
+    # grade --slurm's partition: never the default, root's only (a student's sbatch there is refused)
+    assert "Default=NO" in partitions[1][1] and partitions[1][1].endswith(" AllowGroups=root")
     assert "GresTypes" not in text and "Gres=" not in text
     assert gres_conf_text(node_name="vm", gpus=0) == ""
 

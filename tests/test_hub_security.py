@@ -117,8 +117,9 @@ def test_the_batch_script_holds_only_the_profile_and_the_class_reservation(hub, 
     assert directives == sorted(["#SBATCH --job-name", "#SBATCH --output", "#SBATCH --chdir", "#SBATCH --export",
                                  "#SBATCH --partition", "#SBATCH --nodes", "#SBATCH --ntasks-per-node",
                                  "#SBATCH --cpus-per-task", "#SBATCH --time", "#SBATCH --mem",
-                                 "#SBATCH --reservation"])
+                                 "#SBATCH --reservation", "#SBATCH --signal"])
     assert f"#SBATCH --reservation={resv}" in script and "#SBATCH --time=0:20:00" in script
+    assert "#SBATCH --signal=B:USR1@120\n" in script  # the walltime warning signal (slurm.walltime.signal_s)
     user.stop()
     user.wait_gone()
 

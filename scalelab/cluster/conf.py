@@ -158,7 +158,19 @@ def slurm_conf_text(*, cluster_name: str, node_name: str, cpus: int, real_memory
              *_daemon_lines(p, ctld_port=ctld_port, slurmd_port=slurmd_port, slurmd_pid=p.slurmd_pid,
                             slurmd_log=p.slurmd_log, slurmd_spool=p.slurmd_spool, def_mem=def_mem,
                             slurmd_timeout=60, dbd_port=dbd_port, gpus=gpus)]
-    return "\n".join(lines + _node_and_partition_lines([node], node_name, gpus, oversubscribe)) + "\n"
+    return "\n".join(lines + _node_and_partition_lines([node], node_name, gpus, oversubscribe)
+                     + [grading_partition_line(node_name, oversubscribe)]) + "\n"
+
+
+GRADING_PARTITION = "grading"
+"""Where `scalelab grade --slurm` sends its jobs on the 1-node local cluster."""
+
+
+def grading_partition_line(nodes: str, oversubscribe: int = OVERSUBSCRIBE) -> str:
+    """The grading partition: on the same node as the hub's, never the default, open to root only (grading jobs run
+    as root, which the sandbox needs to switch to its throwaway uid; a student's sbatch there is refused)."""
+    return (f"PartitionName={GRADING_PARTITION} Nodes={nodes} Default=NO MaxTime={MAX_TIME} State=UP"
+            f" OverSubscribe=FORCE:{oversubscribe} AllowGroups=root")
 
 
 def multinode_conf_text(*, cluster_name: str, ctld_host: str, ctld_addr: str, nodes: list[tuple[str, str]],

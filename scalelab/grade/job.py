@@ -478,6 +478,7 @@ def reap_crashed_batches(workdir: str | None) -> list[Path]:
 
 
 def _reap_batch(base: Path, keep: bool) -> None:
+    cancel_slurm_jobs(base)  # grade --slurm: the dead grader's jobs, queued or running, end with its batch
     for name in sorted(os.listdir(base)):
         if not name.endswith(JOB_RECORD) or name == BATCH_MARKER or name.startswith("."):
             continue
@@ -507,6 +508,26 @@ def _reap_batch(base: Path, keep: bool) -> None:
         finish_batch(base, keep=True)
     else:
         shutil.rmtree(base, ignore_errors=True)
+
+
+SLURM_JOB = ".slurm-job.json"
+"""Beside a job folder graded with --slurm, while its Slurm job may run: `<job>.slurm-job.json`, the job's id."""
+
+
+def cancel_slurm_jobs(base: Path) -> list[str]:
+    """scancel the Slurm jobs a batch folder records (`SLURM_JOB`, written by grade/slurm_grading.py); their ids."""
+    ids = []
+    for name in sorted(os.listdir(base)):
+        record = _own_json(base, name) if name.endswith(SLURM_JOB) else None
+        job = record.get("job") if record else None
+        if isinstance(job, str) and job.isdigit():
+            from ..cluster.slurm import slurm_command, slurm_env
+            try:
+                slurm_command(["scancel", job], slurm_env())
+                ids.append(job)
+            except Exception:  # noqa: BLE001 - Slurm gone too: the job ends at its own time limit
+                pass
+    return ids
 
 
 def _mounts_below(folder: Path) -> list[str]:

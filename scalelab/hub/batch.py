@@ -41,8 +41,9 @@ def _check(kind: str, name: str, value: str) -> str:
 
 def render_batch_script(request: JobRequest, *, username: str, job_name: str, log_path: str, workdir: str,
                         export_vars: Iterable[str], cmd: Sequence[str], prologue: str = "",
-                        provision_cmd: Sequence[str] = (), template: str | None = None) -> str:
-    """The batch script text for `request`, running `cmd` (argv) in `workdir` with `export_vars` passed on."""
+                        provision_cmd: Sequence[str] = (), template: str | None = None, signal_s: int = 0) -> str:
+    """The batch script text for `request`, running `cmd` (argv) in `workdir` with `export_vars` passed on; with
+    `signal_s`, Slurm sends the server SIGUSR1 that many seconds before the time limit (scalelab.hub.walltime)."""
     p = request.profile
     values = {
         "job_name": _check("token", "job_name", job_name),
@@ -65,6 +66,7 @@ def render_batch_script(request: JobRequest, *, username: str, job_name: str, lo
         "prologue": "\n".join(x for x in (prologue.strip(), p.prologue.strip()) if x),
         "cmd": shlex.join(cmd),
         "provision_cmd": shlex.join(provision_cmd) if provision_cmd else "",
+        "signal": f"B:USR1@{int(signal_s)}" if int(signal_s) > 0 else "",
     }
     if not values["cmd"]:
         raise ValueError("the server command is empty")

@@ -25,7 +25,8 @@ AUTHENTICATOR = "scalelab.hub.authenticator.CourseSharedPasswordAuthenticator"
 #: Login names allowed: they become directory names, Slurm job names and (with PAM) Unix accounts.
 USERNAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
-DASHBOARD_SCOPES = ["list:users", "read:users", "read:servers"]  # scalelab.hub.dashboard: reads, never acts
+DASHBOARD_SCOPES = ["list:users", "read:users", "read:servers"]  # scalelab.hub.dashboard: reads, and warms (below)
+BOARD_SCOPE = "access:services!service=dashboard"  # what a student needs to see the public capstone board
 
 
 
@@ -136,6 +137,7 @@ def update_servers(c, cfg: Mapping) -> None:
     sect.spawn_from_link = servers["spawn_from_link"]
     sect.home_template = servers["home"].replace("{state_dir}", cfg["hub"]["state_dir"])
     sect.python_bin = bindir
+    sect.inject_file = cfg["capstone"]["inject_file"]  # every server's runs poll it (scalelab.run.inject)
 
 
 def update_local_spawner(c, cfg: Mapping) -> None:
@@ -174,6 +176,9 @@ def update_slurm_spawner(c, cfg: Mapping) -> None:
     s.poll_min = float(slurm["poll_min"])
     s.poll_max = float(slurm["poll_max"])
     s.queue_cache_s = float(slurm["queue_cache_s"])
+    wall = slurm["walltime"]  # scalelab.hub.walltime: the countdown's warning, the runs' emergency checkpoints
+    s.walltime_warn_s, s.walltime_signal_s = int(wall["warn_s"]), int(wall["signal_s"])
+    s.walltime_refresh_s, s.walltime_grace_s = float(wall["refresh_s"]), float(wall["stop_grace_s"])
     s.singleuser_wrapper = [os.path.join(python_bin(cfg), "python"), "-m", "scalelab.hub.singleuser"]
 
 
@@ -224,28 +229,62 @@ def apply_settings(c, cfg: Mapping, passwords: Mapping | None = None) -> None:
 
 
 def update_dashboard(c, cfg: Mapping) -> None:
-    """The class dashboard (scalelab.hub.dashboard) as a hub-managed service: its token may only read users and
-    servers; hub admins, dashboard.instructors and dashboard.tas may open it (access:services!service=dashboard),
-    nobody else (what a TA sees and may do there: scalelab.hub.dashboard)."""
+    """The class dashboard (scalelab.hub.dashboard) as a hub-managed service: its token may read users and servers
+    and start the course's students' servers (`warm_scopes`: warming the class); hub admins, dashboard.instructors
+    and dashboard.tas may open it (access:services!service=dashboard), and with capstone.public the students too
+    (`board_role`: the service shows them the pseudonymised leaderboard only); nobody else (what a TA sees and may do
+    there: scalelab.hub.dashboard)."""
     from .settings import ENV_OVERRIDES, ENV_SETTINGS
     dash = cfg["dashboard"]
     services = [s for s in (c.JupyterHub.get("services") or []) if s.get("name") != "dashboard"]
     roles = [r for r in (c.JupyterHub.get("load_roles") or [])
-             if r.get("name") not in ("dashboard", "course-instructors", "course-tas")]
+             if r.get("name") not in ("dashboard", "course-instructors", "course-tas", "capstone-board")]
+    extra = set(c.JupyterHub.get("extra_user_scopes") or ()) - {BOARD_SCOPE}
     if dash["enabled"]:
         env = {k: os.environ[k] for k in (ENV_SETTINGS, ENV_OVERRIDES, "PATH", "LANG") if k in os.environ}
         services.append({"name": "dashboard", "url": f"http://{cfg['hub']['hub_ip']}:{dash['port']}",
                          "command": [sys.executable, "-m", "scalelab.hub.dashboard"], "environment": env,
                          "display": True, "oauth_no_confirm": True})
-        roles.append({"name": "dashboard", "scopes": DASHBOARD_SCOPES, "services": ["dashboard"]})
+        roles.append({"name": "dashboard", "scopes": DASHBOARD_SCOPES + warm_scopes(cfg), "services": ["dashboard"]})
         if dash["instructors"]:
             roles.append({"name": "course-instructors", "scopes": ["access:services!service=dashboard"],
                           "users": list(dash["instructors"])})
         if dash["tas"]:  # the same door; the service itself keeps them to the students and to reading
             roles.append({"name": "course-tas", "scopes": ["access:services!service=dashboard"],
                           "users": list(dash["tas"])})
+        board = board_role(cfg)
+        if board:
+            roles.append(board)
+        elif cfg["capstone"]["public"] and not cfg["auth"]["allowed_users"] and cfg["auth"].get("any_name"):
+            extra.add(BOARD_SCOPE)
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
+    if extra or "extra_user_scopes" in c.JupyterHub:
+        c.JupyterHub.extra_user_scopes = extra
+
+
+def board_role(cfg: Mapping) -> dict | None:
+    """With capstone.public, the role that lets the course's students (the class list less the staff) through the
+    hub to the dashboard, where the service shows them the pseudonymised leaderboard and nothing else
+    (scalelab.hub.capstone). None when the board is not public (the hub answers students 403), or when there is no
+    class list (a try-out hub, auth.any_name: every user gets BOARD_SCOPE through extra_user_scopes instead)."""
+    if not cfg["capstone"]["public"]:
+        return None
+    staff = {*cfg["hub"]["admin_users"], *cfg["dashboard"]["instructors"], *cfg["dashboard"]["tas"]}
+    students = sorted(set(cfg["auth"]["allowed_users"]) - staff)
+    return {"name": "capstone-board", "scopes": [BOARD_SCOPE], "users": students} if students else None
+
+
+def warm_scopes(cfg: Mapping) -> list[str]:
+    """What the dashboard's token needs to warm the class (scalelab.hub.warm): start (never stop) the servers of the
+    course's students, each named (the class list less the staff), so it cannot start a staff member's; a try-out
+    hub with no class list (auth.any_name) gives it start:servers on everyone, and warm itself keeps to students."""
+    dash, auth = cfg["dashboard"], cfg["auth"]
+    staff = {*cfg["hub"]["admin_users"], *dash["instructors"], *dash["tas"]}
+    students = sorted(set(auth["allowed_users"]) - staff)
+    if students:
+        return [f"start:servers!user={name}" for name in students]
+    return ["start:servers"] if not auth["allowed_users"] and auth.get("any_name") else []
 
 
 def refuse_unsafe(cfg: Mapping) -> None:

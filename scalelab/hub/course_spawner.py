@@ -34,6 +34,7 @@ from traitlets import Bool, Enum, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from ..errors import SpawnFailed
+from ..run.inject import ENV_VAR as INJECT_ENV
 from .api import install_body_limits
 from .posture import COURSE_GROUP, system_account
 from .provision import DEFAULT_EXCLUDE, provision_labs
@@ -59,6 +60,9 @@ class CourseSpawner(LoggingConfigurable):
     create_accounts = Bool(False, help="With student-accounts: create a course account (group scalelab-students, "
                            "home 0700) at a student's first start; never use an account the hub did not create."
                            ).tag(config=True)
+    inject_file = Unicode("", help="The capstone's spool file (capstone.inject_file): every server gets it as "
+                          "SCALELAB_INJECT_FILE, so the runs started there poll it for an instructor's injected "
+                          "failure ('' = none).").tag(config=True)
     spawn_from_link = Bool(False, help="Start a server from GET /hub/spawn with options in the query (a link on any "
                            "site could); False: only the form's POST starts one.").tag(config=True)
 
@@ -152,6 +156,8 @@ class CourseSpawner(LoggingConfigurable):
         env["USER"] = self.user.name
         env["HOME"] = str(self.course_home())
         env["SHELL"] = "/bin/bash"
+        if self.inject_file:  # local and Slurm servers alike (batchspawner's get_env calls user_env too)
+            env[INJECT_ENV] = self.inject_file  # the file every engine run polls
         return env
 
     def get_args(self):

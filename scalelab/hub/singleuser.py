@@ -13,6 +13,10 @@ What batchspawner-singleuser does, made lean, because every second here is a sec
   node could bind it and receive the hub's requests with the student's cookies and tokens);
 - it stops jsonschema from importing `rfc3987_syntax`, which builds a Lark grammar at import time (~2 s here) and
   is only used for the optional "iri"/"iri-reference" formats, which no Jupyter event schema uses;
+- it loads scalelab's own server and JupyterLab extensions (`scalelab.hub.walltime`: the job's time left, the
+  runs' emergency checkpoints at its end) by putting `jupyter_config/` and `jupyter_data/` first on
+  JUPYTER_CONFIG_PATH and JUPYTER_PATH, and notes a SIGUSR1 (Slurm's walltime warning) that comes before the server
+  has its own handlers, which would otherwise end the server (SIGUSR1's default action);
 - it stops JupyterLab from running `node yarn.js config --json` while `jupyterlab.labapp` is imported (0.24 s and
   0.28 CPU-s of every server start, a quarter of its CPU: in a class rush on a node, the servers queue for the
   cores). JupyterLab asks only to learn yarn's npm registry, which it uses to install source extensions from npm;
@@ -25,10 +29,15 @@ import os
 import runpy
 import socket
 import sys
+import signal
 import time
 import urllib.error
 import urllib.request
 from urllib.parse import urlparse, urlunparse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EARLY_SIGNAL_ENV = "SCALELAB_EARLY_SIGNAL"
+"""Set to SIGUSR1 when Slurm's warning signal came before the server took over its signals (read by walltime)."""
 
 
 def hold_port(host: str = "") -> socket.socket:
@@ -98,8 +107,21 @@ def skip_yarn_config() -> None:
         commands._yarn_config = lambda logger=None: {"yarn config": {}, "npm config": {}}
 
 
+def note_early_signal() -> None:
+    """Until the server's own handlers are in place (`scalelab.hub.walltime`), a SIGUSR1 is noted, not fatal."""
+    signal.signal(signal.SIGUSR1, lambda *_: os.environ.setdefault(EARLY_SIGNAL_ENV, "SIGUSR1"))
+
+
+def course_extensions() -> None:
+    """Put scalelab's Jupyter config (enables the server extension scalelab.hub.walltime) and data (the JupyterLab
+    extension scalelab-walltime) first on Jupyter's search paths, in this process and so in the server."""
+    for var, sub in (("JUPYTER_CONFIG_PATH", "jupyter_config"), ("JUPYTER_PATH", "jupyter_data")):
+        os.environ[var] = os.pathsep.join(x for x in (os.path.join(HERE, sub), os.environ.get(var, "")) if x)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Report a port (unless --no-report), then run the server command in this process."""
+    note_early_signal()
     argv = sys.argv[1:] if argv is None else list(argv)
     report = not (argv and argv[0] == "--no-report")  # local mode: the hub chose the port already
     argv = argv if report else argv[1:]
@@ -112,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         report_port(os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"], port)
         os.environ["JUPYTERHUB_SERVICE_URL"] = with_port(os.environ["JUPYTERHUB_SERVICE_URL"], port)
         hand_over(held)
+    course_extensions()
     sys.modules["rfc3987_syntax"] = None  # makes `import rfc3987_syntax` raise ImportError (see docstring)
     skip_yarn_config()
     sys.argv = list(argv)

@@ -11,7 +11,10 @@ What differs from batchspawner 1.3.0 (each was seen to go wrong with JupyterHub 
 - a job that ends before its server listens fails the spawn at once, with the tail of the job's log;
 - an squeue error that is not "no such job" keeps the server (the upstream drops it and orphans the job);
 - a job cancelled from outside (`scancel`) is seen at the hub's next poll and the server is marked stopped;
-- progress says where the job waits in the queue, and why.
+- progress says where the job waits in the queue, and why;
+- walltime (`scalelab.hub.walltime`): the job asks Slurm for its warning signal `walltime_signal_s` before its end
+  (``--signal=B:USR1@N``, to the server, which passes it on to its runs), and the server learns the countdown's
+  warning threshold and refresh from its environment.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from .course_spawner import CourseSpawner
 from .options import (OptionError, check_student_total, options_form_html, options_from_form, partition_gpus,
                       profiles_from_settings, resolve_options, unavailable_reasons)
 from .queue import QueueView, profile_queue_lines
+from .walltime import GRACE_ENV, REFRESH_ENV, SIGNAL_ENV, WARN_ENV
 
 install_port_handler()
 
@@ -68,6 +72,15 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
     queue_cache_s = Float(5.0, help="Seconds the hub's one view of the queue (sinfo, reservations, pending jobs) "
                           "is reused by every spawn form and pending page before Slurm is asked again."
                           ).tag(config=True)
+    walltime_warn_s = Integer(600, help="Seconds before the job's end at which JupyterLab warns the student."
+                              ).tag(config=True)
+    walltime_signal_s = Integer(120, help="Seconds before the job's end at which Slurm signals the server "
+                                "(--signal=B:USR1@N), which asks its runs for an emergency checkpoint (0: none; "
+                                "the final SIGTERM still is passed on).").tag(config=True)
+    walltime_refresh_s = Float(30.0, help="Seconds between a server's squeue calls for its time left (the "
+                               "countdown runs on the browser's clock in between).").tag(config=True)
+    walltime_grace_s = Float(25.0, help="Seconds a server waits, on the job's final SIGTERM, for its runs to save "
+                             "before it stops (Slurm's KillWait ends them all anyway).").tag(config=True)
     log_tail_lines = 25
 
     @default("exec_prefix")
@@ -201,6 +214,8 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
         if self.slurm_conf:
             env["SLURM_CONF"] = self.slurm_conf
         env.setdefault("PATH", f"{self.python_bin}:{self.slurm_bin_dir}:/usr/local/bin:/usr/bin:/bin")
+        env.update({WARN_ENV: str(self.walltime_warn_s), SIGNAL_ENV: str(self.walltime_signal_s),
+                    REFRESH_ENV: f"{self.walltime_refresh_s:g}", GRACE_ENV: f"{self.walltime_grace_s:g}"})
         return env
 
     def log_dir(self) -> Path:
@@ -224,7 +239,7 @@ class CourseSlurmSpawner(CourseSpawner, SlurmSpawner):
             log_path=str(self.log_dir() / f"{self._job_stem()}-%j.log"), workdir=str(self.course_home()),
             export_vars=env.keys(), cmd=cmd, prologue=self.course_prologue,
             provision_cmd=self.provision_argv() if self.labs_source and self.labs_where == "job" else (),
-            template=Path(self.batch_template).read_text(encoding="utf-8"))
+            template=Path(self.batch_template).read_text(encoding="utf-8"), signal_s=self.walltime_signal_s)
 
     async def submit_batch_script(self):
         """sbatch the script; a spawn cancelled while sbatch runs still cancels the job it created."""
