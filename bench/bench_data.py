@@ -15,7 +15,8 @@ All three read from the page cache (the files were just written; dropping caches
 of this machine), so the comparison is of software overhead per sample, which is what a metadata-bound parallel
 file system multiplies. A second, smaller measurement goes through `ThrottledStore` (1 ms per open) to show
 the file-system-like case. Targets: shards >= 10x file-per-sample samples/s; shards >= 0.5 of raw bytes/s.
-Each figure is the median of `--repeats` runs; the machine's load average is recorded with them.
+Each figure is the median of `--repeats` runs, the ratios the median of the per-repeat ratios (each repeat runs
+the three back to back) with their quartiles (`spread`); the machine's load average is recorded with them.
 """
 from __future__ import annotations
 
@@ -82,6 +83,14 @@ def timed(fn, repeats: int) -> tuple[float, list[float], int]:
     return statistics.median(runs), runs, units
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    """First and third quartiles of per-repeat ratios: the spread the median sits in."""
+    if len(values) < 2:
+        return list(values) * 2
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=100000, help="samples in the shards (and raw read)")
@@ -126,8 +135,9 @@ def main(argv=None) -> int:
     shard_bytes_per_s = shards_sps * shard_bytes / args.samples
     raw_bytes_per_s = n_raw / t_raw
     # per repeat, the ratio of two runs made back to back; the target is judged on their median
-    over_raw = statistics.median(r / s for r, s in zip(runs_raw, runs_shards))
-    over_files = statistics.median((n_shards / s) / (n_files / f) for s, f in zip(runs_shards, runs_files))
+    raw_ratios = [r / s for r, s in zip(runs_raw, runs_shards)]
+    file_ratios = [(n_shards / s) / (n_files / f) for s, f in zip(runs_shards, runs_files)]
+    over_raw, over_files = statistics.median(raw_ratios), statistics.median(file_ratios)
     result = {
         "benchmark": "data loading: packed shards vs file per sample vs raw sequential read",
         "command": "python bench/bench_data.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -145,6 +155,8 @@ def main(argv=None) -> int:
         "shards_over_files": over_files,
         "shards_over_raw_read": over_raw,
         "shards_over_raw_read_of_medians": shard_bytes_per_s / raw_bytes_per_s,
+        "spread": {"shards_over_raw_read": {"per_repeat": raw_ratios, "quartiles": _quartiles(raw_ratios)},
+                   "shards_over_files": {"per_repeat": file_ratios, "quartiles": _quartiles(file_ratios)}},
         "throttled_1ms_per_open": {"file_per_sample_samples_per_s": n_sf / t_sf, "packed_shards_samples_per_s": n_ss / t_ss,
                                    "shards_over_files": (n_ss / t_ss) / (n_sf / t_sf)},
         "targets": {"shards_over_files": ">= 10", "shards_over_raw_read": ">= 0.8 (issue 22, item 1)"},
@@ -156,7 +168,9 @@ def main(argv=None) -> int:
     print(f"file per sample {files_sps:10.0f} samples/s")
     print(f"packed shards   {shards_sps:10.0f} samples/s  ({shard_bytes_per_s / 1e6:.0f} MB/s)  "
           f"x{result['shards_over_files']:.1f} vs files")
-    print(f"raw read        {raw_bytes_per_s / 1e6:10.0f} MB/s  shards/raw = {result['shards_over_raw_read']:.2f}")
+    q = result["spread"]["shards_over_raw_read"]["quartiles"]
+    print(f"raw read        {raw_bytes_per_s / 1e6:10.0f} MB/s  shards/raw = {result['shards_over_raw_read']:.2f} "
+          f"(median of {args.repeats} interleaved repeats; quartiles {q[0]:.2f}-{q[1]:.2f})")
     print(f"throttled 1 ms/open: shards x{result['throttled_1ms_per_open']['shards_over_files']:.0f} vs files")
     print(f"wrote {args.out}")
     return 0 if all(result["met"].values()) else 1

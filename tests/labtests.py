@@ -31,6 +31,7 @@ from scalelab.grade.grader import GradeOptions, SubmissionResult, grade as grade
 from scalelab.grade.report import read_records_file
 from scalelab.grade.untrusted import tolerant_records
 
+import capstone_variants
 from forgeries import FORGERIES, forged_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,6 +137,41 @@ def shrunk_copy(lab: Path, dest: Path) -> Path:
                                 "outputs": [], "source": SHRUNK[lab.name]})
     (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
     return dest
+
+
+def edited_copy(lab: Path, dest: Path, block: tuple[str, str] | None = None, after: tuple[str, str] | None = None,
+                replace: tuple[str, str] | None = None) -> Path:
+    """The reference working copy with one edit: `block` = (a line of a solution block, the code that replaces the
+    block), `after` = (a line of a code cell, a new cell's code placed after that cell), `replace` = (a line of a
+    code cell, the code that replaces that cell)."""
+    working_copy(lab, dest)
+    nb = json.loads((dest / "lab.ipynb").read_text())
+    cells = nb["cells"]
+    for i, cell in enumerate(cells):
+        text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if cell["cell_type"] != "code":
+            continue
+        if block:
+            new, hit = replace_block(text, *block)
+            if hit:
+                cell["source"] = new
+                break
+        elif any((after or replace)[0].strip() == line.strip() for line in text.split("\n")):
+            if after:
+                cells.insert(i + 1, {"cell_type": "code", "execution_count": None, "id": "edited", "metadata": {},
+                                     "outputs": [], "source": after[1]})
+            else:
+                cell["source"] = replace[1]
+            break
+    else:
+        raise AssertionError(f"{lab.name}: no code cell holds the edit's line")
+    (dest / "lab.ipynb").write_text(json.dumps(nb, indent=1))
+    return dest
+
+
+VARIANTS: dict[str, dict] = {"12_capstone": capstone_variants.variants(edited_copy)}
+"""Per lab, further submissions graded in its shared batch: {name: function(lab, dest folder)} (lab 12's other
+teams' choices and its forgeries: tests/capstone_variants.py)."""
 
 
 def grading_parameters(lab_dir: Path) -> dict:
@@ -393,6 +429,9 @@ def _grade_lab(lab: Path, tmp: Path, workdir: Path) -> LabBatch:
     if lab.name in SHRUNK:  # the reference with its sizes re-assigned after injection
         shrunk_copy(lab, subs / "shrunk_params")
         names.append("shrunk_params")
+    for name, make in VARIANTS.get(lab.name, {}).items():
+        make(lab, subs / name)
+        names.append(name)
     paths = [subs / n for n in names]
     if lab.name in FORGERIES:  # single notebooks, as a forger hands them in
         for kind, events in (("forged_records", False), ("forged_events", True)):

@@ -25,7 +25,7 @@ ALLOWED = {
     "launch": {"run", "cluster"},
     "experiments": {"run", "cluster", "data", "ckpt", "train", "launch"},
     "course": {"run"},
-    "grade": {"run", "course"},
+    "grade": {"run", "course", "cluster"},  # cluster: grade --slurm submits each submission's job (slurm_grading)
     "hub": {"run", "cluster", "course", "grade"},
     "testing": {"run", "cluster", "course", "grade", "hub"},
     "cli": {"run", "cluster", "data", "ckpt", "train", "launch", "experiments", "course", "grade", "hub"},

@@ -182,6 +182,15 @@ def test_cli_surface_is_frozen():
     assert {"run", "doctor", "cluster"} <= set(commands)
     flags = {opt for a in commands["run"]._actions for opt in a.option_strings}
     assert {"--preset", "--workers", "--nodes", "--strategy", "--launcher", "--set", "--json", "--spec"} <= flags
+    grade = {opt for a in commands["grade"]._actions for opt in a.option_strings}
+    assert {"-j", "--out", "--set", "--json", "--slurm", "--partition", "--slurm-cpus"} <= grade
+    course = next(a for a in commands["course"]._actions if a.dest == "course_command").choices
+    assert {"collect", "return", "gradebook", "warm", "inject"} <= set(course)
+    inject = {opt for a in course["inject"]._actions for opt in a.option_strings}
+    assert {"--file", "--config", "--lab", "--rank", "--window-s"} <= inject
+    site = commands["site"]._subparsers._group_actions[0].choices
+    build = {opt for a in site["build"]._actions for opt in a.option_strings}
+    assert {"--lab", "--labs-root", "--out", "--force", "--json", "--leaderboard", "--pseudonym-key-file"} <= build
 
 
 def test_free_ports_come_from_below_the_kernels_ephemeral_range():

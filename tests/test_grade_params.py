@@ -26,7 +26,8 @@ SHRUNK_RUNS = {
         "my_1f1b_runs_in_the_engine", "my_1f1b_holds_fewer_activation_bytes", "my_1f1b_bubble_near_the_formula"},
     "09_optimization": {  # engine_steps, samples and lars_steps shrunk
         "engine_runs_are_the_engine_runs", "races_are_consistent", "lars_record_is_its_run",
-        "lars_by_hand_is_the_librarys", "best_large_batch_is_the_races_fastest", "kfac_trade_is_the_races"},
+        "lars_by_hand_is_the_librarys", "best_large_batch_is_the_races_fastest", "kfac_trade_is_the_races",
+        "time_on_ranks_is_the_engine_runs"},
 }
 
 

@@ -34,7 +34,12 @@ def hub(tmp_path_factory):
     work = tmp_path_factory.mktemp("hub-browser")
     (work / "labs" / "01_intro").mkdir(parents=True)
     (work / "labs" / "01_intro" / "lab.ipynb").write_text(json.dumps(NOTEBOOK))
-    runner = HubRunner(work, mode="local", settings={"kernels": {"install": True}}, admins=["teacher"])
+    runner = HubRunner(work, mode="local", admins=["teacher"], settings={
+        "kernels": {"install": True}, "dashboard": {"grades": str(work / "grades")},  # the capstone's board, not public
+        "capstone": {"inject_file": str(work / "spool" / "inject.json")}})
+    from test_leaderboard import graded, standing
+    graded(work / "grades" / "12_capstone", {runner.user("racer"): standing(t=75.0, lost=9.5),
+                                             runner.user("slow"): standing(t=None, acc=0.7)})
     runner.start()
     yield runner
     runner.cleanup()
@@ -170,6 +175,37 @@ def test_a_page_a_student_serves_never_acts_as_the_instructor_who_opens_it(hub, 
     assert seen.startswith("200 ") and teacher.name in seen, f"the control read {seen!r}: no leak could be seen"
     alice.stop()
     alice.wait_gone()
+
+
+def test_the_capstone_leaderboard_renders_for_an_instructor_and_the_hub_keeps_students_out(hub, browser):
+    """The dashboard's board in Chromium for an instructor (the admin); capstone.public is off on this hub, so the
+    hub itself answers a signed-in student 403 before the service runs any code for them."""
+    teacher = hub.admins[0]
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        page.goto(f"{hub.url}/hub/login")
+        page.fill("input[name=username]", teacher)
+        page.fill("input[name=password]", hub.password_of(teacher))
+        page.click("#login_submit")
+        page.wait_for_load_state()
+        page.goto(f"{hub.url}/services/dashboard/leaderboard")
+        rows = page.locator("table#leaderboard tbody tr")
+        rows.first.wait_for()
+        assert rows.count() == 2
+        first = rows.nth(0).inner_text()
+        assert hub.user("racer") in first and "75.0 s" in first and "9.5 s" in first, first
+        assert rows.nth(1).inner_text().split()[0] == "–"  # not reached: no place
+        assert page.locator("form#inject button").is_visible()
+    except Exception:
+        page.screenshot(path=str(hub.workdir / "leaderboard-failure.png"))
+        raise
+    finally:
+        context.close()
+    student = hub.login("racer").session
+    r = student.get(f"{hub.url}/services/dashboard/leaderboard", timeout=60)
+    assert r.status_code == 403 and "leaderboard" not in r.text.lower(), (r.status_code, r.text[:300])
 
 
 def test_tensorboard_in_jupyterlab_shows_a_runs_scalars_and_memory_is_in_the_status_bar(hub, browser):

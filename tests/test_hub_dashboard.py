@@ -2,6 +2,11 @@
 
 An admin (and a listed instructor) sees every student's server and lab progress; a student gets 403 from the hub's
 OAuth before the page runs; in a headless Chromium the admin's page shows the table.
+
+The capstone's leaderboard (scalelab.hub.capstone): real names for instructors; with capstone.public (this file's
+hub) students see it pseudonymised and every other path of the service stays 403 for them; without it the hub keeps
+them out (tests/test_hub_browser.py's hub, and the roles below); only instructors inject a failure, with the page's
+XSRF token.
 """
 from __future__ import annotations
 
@@ -13,10 +18,13 @@ import pytest
 import requests
 
 from scalelab.course.release import release_lab
+from scalelab.grade.leaderboard import pseudonym
+from scalelab.hub.capstone import KEY_FILE, pseudonym_key
 from scalelab.hub.dashboard import class_snapshot, lab_progress, render_page, slurm_jobs
-from scalelab.hub.settings import load_settings
+from scalelab.hub.settings import SettingsError, load_settings
 from scalelab.record import MIME
 from scalelab.testing.hub import HubRunner
+from test_leaderboard import HOSTILE, graded, standing
 
 FIX = Path(__file__).parent / "fixtures" / "grading"
 
@@ -91,6 +99,11 @@ def hub(tmp_path_factory):
     runner.settings["hub"]["admin_users"] = [runner.user("prof")]
     runner.settings["auth"]["admin_password"] = "admin-pw-" + "x" * 24
     runner.settings["dashboard"]["instructors"] = [runner.user("ta")]
+    runner.settings["dashboard"]["tas"] = [runner.user("helper")]
+    runner.settings["dashboard"]["grades"] = str(work / "grades")
+    runner.settings["capstone"] = {"public": True, "inject_file": str(work / "spool" / "inject.json")}
+    graded(work / "grades" / "12_capstone", {runner.user("stud"): standing(t=90.0), runner.user("other"): standing(
+        t=60.0, lost=12.0), HOSTILE: standing(t=30.0), runner.user("late"): standing(ranked=False, why="over budget")})
     import yaml
     runner.config_path.write_text(yaml.safe_dump(runner.settings, sort_keys=False), encoding="utf-8")
     runner.start()
@@ -209,3 +222,144 @@ def test_a_large_saved_notebook_costs_the_page_neither_memory_nor_time_and_the_r
     assert (progress["ann"]["state"], progress["ann"]["passed"]) == ("in progress", 1)  # the control: read
     page = render_page(snap)
     assert page.count('class="too-large"') == 2 and "MiB: not read" in page
+
+
+# -- the capstone: settings, roles, every server's environment (no hub) ---------------------------------------------
+
+def test_capstone_settings_have_defaults_and_mistakes_are_named(tmp_path):
+    cfg = load_settings(overrides={"hub": {"state_dir": str(tmp_path / "state")}})
+    assert cfg["capstone"] == {"lab": "12_capstone", "public": False, "inject_file": "/var/lib/scalelab/inject.json",
+                               "pseudonym_key_file": ""}
+    for over, words in (({"capstone": {"pubilc": True}}, "did you mean 'public'"),
+                        ({"capstone": {"inject_file": ""}}, "capstone.inject_file: '' is not valid"),
+                        ({"capstone": {"lab": "../etc"}}, "capstone.lab"),
+                        ({"capstone": {"public": True}, "dashboard": {"enabled": False}}, "dashboard.enabled"),
+                        ({"capstone": {"inject_file": str(tmp_path / "state/homes/x.json")}}, "inside the students'")):
+        with pytest.raises(SettingsError, match=re.escape(words)):
+            load_settings(overrides={"hub": {"state_dir": str(tmp_path / "state")}, **over})
+
+
+def test_students_reach_the_dashboard_through_the_hub_only_when_the_board_is_public(tmp_path):
+    from traitlets.config import Config
+    from scalelab.hub.config import BOARD_SCOPE, update_dashboard
+    cfg = load_settings(overrides={"hub": {"state_dir": str(tmp_path / "state"), "admin_users": ["prof"]},
+                                   "auth": {"allowed_users": ["ann", "ben", "tom", "ina"]},
+                                   "dashboard": {"instructors": ["ina"], "tas": ["tom"]}})
+    c = Config()
+    update_dashboard(c, cfg)
+    granted = [r for r in c.JupyterHub.load_roles if BOARD_SCOPE in r["scopes"]]
+    assert {r["name"] for r in granted} == {"course-instructors", "course-tas"}, granted  # no student
+    assert BOARD_SCOPE not in (c.JupyterHub.get("extra_user_scopes") or set())
+    cfg["capstone"]["public"] = True
+    update_dashboard(c, cfg)
+    board = next(r for r in c.JupyterHub.load_roles if r["name"] == "capstone-board")
+    assert board == {"name": "capstone-board", "scopes": [BOARD_SCOPE], "users": ["ann", "ben"]}  # not the staff
+    cfg["auth"]["allowed_users"], cfg["auth"]["any_name"] = [], True  # a try-out hub: every user
+    update_dashboard(c, cfg)
+    assert BOARD_SCOPE in c.JupyterHub.extra_user_scopes
+    assert not [r for r in c.JupyterHub.load_roles if r["name"] == "capstone-board"]
+    cfg["capstone"]["public"] = False  # and back: nobody
+    update_dashboard(c, cfg)
+    assert BOARD_SCOPE not in c.JupyterHub.extra_user_scopes
+
+
+def test_every_server_local_or_slurm_gets_the_spool_file_in_its_environment(tmp_path):
+    from types import SimpleNamespace
+    from unittest import mock
+    from jupyterhub.objects import Hub
+    from traitlets.config import Config
+    from scalelab.hub.config import update_servers
+    from scalelab.hub.local_spawner import CourseLocalSpawner
+    from scalelab.hub.slurm_spawner import CourseSlurmSpawner
+    cfg = load_settings(overrides={"hub": {"state_dir": str(tmp_path / "state")},
+                                   "capstone": {"inject_file": str(tmp_path / "spool.json")}})
+    c = Config()
+    update_servers(c, cfg)
+    user = SimpleNamespace(name="alice", escaped_name="alice", url="/user/alice/", base_url="/user/alice/")
+    for cls in (CourseLocalSpawner, CourseSlurmSpawner):
+        sp = cls(config=c, user=user, hub=Hub(), db=mock.MagicMock(), api_token="t", run_as="hub-account",
+                 home_template=str(tmp_path / "homes/{username}"), oauth_client_id="jupyterhub-user-alice")
+        sp.orm_spawner = None
+        assert sp.get_env()["SCALELAB_INJECT_FILE"] == str(tmp_path / "spool.json"), cls
+
+
+# -- the capstone's board and injection on the real hub (capstone.public there) -------------------------------------
+
+def _dashboard_xsrf(session: requests.Session) -> str:
+    return next((c.value for c in session.cookies if c.name == "_xsrf" and c.path.startswith("/services/dashboard")),
+                "")
+
+
+@pytest.mark.hub
+@pytest.mark.slow
+def test_instructors_see_the_leaderboard_under_real_names_escaped(hub):
+    url = f"{hub.url}/services/dashboard/"
+    admin = _login(hub, hub.user("prof"), hub.settings["auth"]["admin_password"])
+    board = admin.get(url + "api/leaderboard", timeout=60).json()
+    assert [r["student"] for r in board["rows"]] == [HOSTILE, hub.user("other"), hub.user("stud"), hub.user("late")]
+    assert [r["place"] for r in board["rows"]] == [1, 2, 3, None] and board["rows"][-1]["why"] == "over budget"
+    page = admin.get(url + "leaderboard", timeout=60)
+    assert page.status_code == 200 and "<table id='leaderboard'>" in page.text, (page.status_code, page.text[:300])
+    assert "<script>alert" not in page.text and "&lt;script&gt;alert" in page.text
+    assert "id='inject'" in page.text and hub.user("stud") in page.text and "over budget" in page.text
+    assert "href='leaderboard'" in admin.get(url, timeout=60).text  # the dashboard links to it
+
+
+@pytest.mark.hub
+@pytest.mark.slow
+def test_a_student_sees_the_public_board_pseudonymised_and_nothing_else_of_the_dashboard(hub):
+    hub.login("other")  # a classmate who has signed in: a course student on this hub (no class list)
+    stud = hub.login("stud")
+    url = f"{hub.url}/services/dashboard/"
+    r = stud.session.get(url + "api/leaderboard", timeout=60)
+    assert r.status_code == 200, (r.status_code, r.text[:300], hub.log_tail())
+    key = pseudonym_key(f"{hub.settings['hub']['state_dir']}/{KEY_FILE}")  # the hub made it at first use
+    board = r.json()
+    assert board["view"] == "student"
+    assert [(x["student"], x["you"]) for x in board["rows"]] == [(pseudonym(hub.user("other"), key), False),
+                                                                 (pseudonym(hub.user("stud"), key), True)]
+    page = stud.session.get(url + "leaderboard", timeout=60).text
+    assert pseudonym(hub.user("stud"), key) in page and "you</strong>" in page
+    for text in (r.text, page):
+        assert hub.prefix not in text and "script" not in text  # no real name, the unlisted hostile one neither
+    assert "id='inject'" not in page and "_xsrf" not in page
+    # attack: every other path of the service, by cookie and by the student's own hub token
+    token = {"Authorization": f"token {stud.token}"}
+    for path in ("", "api/class", "api/warm", "api/inject", "nothing-here", "leaderboard/", "api/leaderboard/x",
+                 "leaderboard/../api/class", "api/class?leaderboard", "API/leaderboard"):
+        for kw in ({}, {"headers": token}):
+            got = (stud.session if not kw else requests).get(url + path, timeout=60, allow_redirects=False, **kw)
+            assert got.status_code == 403, (path, kw, got.status_code, got.text[:200])
+            assert "table id='class'" not in got.text
+    for path, body in (("api/inject", {"kind": "kill"}), ("api/warm", {}), ("api/leaderboard", {})):
+        got = requests.post(url + path, json=body, headers=token, timeout=60, allow_redirects=False)
+        assert got.status_code == 403, (path, got.status_code, got.text[:200])
+        stud.session.cookies.set("_xsrf", "forged", path="/services/dashboard/")  # their own cookie and field agree
+        got = stud.session.post(url + path, data={"_xsrf": "forged", "kind": "kill"}, timeout=60,
+                                allow_redirects=False)
+        assert got.status_code == 403, (path, got.status_code, got.text[:200])
+    assert not (hub.workdir / "spool" / "inject.json").exists()
+
+
+@pytest.mark.hub
+@pytest.mark.slow
+def test_only_an_instructor_injects_a_failure_and_only_with_the_pages_xsrf_token(hub):
+    url = f"{hub.url}/services/dashboard/"
+    spool = hub.workdir / "spool" / "inject.json"
+    ta = _login(hub, hub.user("helper"), hub.password)  # a TA: sees the board, may not act
+    assert ta.get(url + "leaderboard", timeout=60).status_code == 200
+    r = ta.post(url + "api/inject", data={"_xsrf": _dashboard_xsrf(ta), "kind": "kill"}, timeout=60,
+                allow_redirects=False)
+    assert r.status_code == 403, (r.status_code, r.text[:300])
+    admin = _login(hub, hub.user("prof"), hub.settings["auth"]["admin_password"])
+    assert "id='inject'" in admin.get(url + "leaderboard", timeout=60).text
+    r = admin.post(url + "api/inject", data={"kind": "kill"}, timeout=60, allow_redirects=False)  # another site's form
+    assert r.status_code == 403 and "_xsrf" in r.text, (r.status_code, r.text[:300])
+    assert not spool.exists()
+    r = admin.post(url + "api/inject", data={"_xsrf": _dashboard_xsrf(admin), "kind": "bogus"}, timeout=60)
+    assert r.status_code == 400 and not spool.exists(), (r.status_code, r.text[:300])
+    r = admin.post(url + "api/inject", data={"_xsrf": _dashboard_xsrf(admin), "kind": "preempt"}, timeout=60)
+    assert r.status_code == 200 and "id='issued'" in r.text, (r.status_code, r.text[:300], hub.log_tail())
+    record = json.loads(spool.read_text())
+    assert (record["kind"], record["by"], record["lab"]) == ("preempt", hub.user("prof"), "12_capstone")
+    assert record["id"] in r.text and (spool.stat().st_mode & 0o777) == 0o644

@@ -78,11 +78,25 @@ def test_a_run_writes_its_nonce_and_a_rerun_stops_after_its_steps(runs):
 
 def test_the_rerun_with_the_same_nonce_gives_the_runs_own_losses_and_another_nonce_does_not(runs):
     a, again, b, plain = (_losses(runs[k]) for k in ("a", "a_rerun", "b", "plain"))
-    assert reverify.compare(a, again, 3) is None
-    differs = reverify.compare(b, again, 3)
-    assert differs and "rank 0, step 1" in differs  # another initialisation: the first loss already differs
-    assert reverify.compare(plain, again, 3)  # nor does a run made outside the grading
+    assert reverify.compare(a, again, 3) == (reverify.SAME, "")
+    verdict, why = reverify.compare(b, again, 3)
+    assert verdict == reverify.DIFFERS and "rank 0, step 1" in why  # another initialisation: the first loss differs
+    assert reverify.compare(plain, again, 3)[0] == reverify.DIFFERS  # nor does a run made outside the grading
     assert a[0][1] != plain[0][1]  # the nonce changed the initial weights
+    # a run that logged none of the re-run's steps is not verified (its points are withheld), not called forged
+    sparse = {rank: {s: v for s, v in losses.items() if s > 3} for rank, losses in a.items()}
+    verdict, why = reverify.compare(sparse, again, 3)
+    assert verdict == reverify.UNVERIFIED and "none of the first 3" in why
+    assert reverify.compare(a, {}, 3)[0] == reverify.UNVERIFIED
+
+
+def test_a_run_that_logs_sparsely_is_rerun_up_to_its_first_logged_step():
+    from scalelab.run.spec import preset
+    spec = preset("tiny").with_overrides({"steps": 40})
+    assert reverify.rerun_steps(spec, 3) == 3
+    assert reverify.rerun_steps(spec.replace(log_every=5), 3) == 5
+    assert reverify.rerun_steps(spec.replace(log_every=30), 3) == reverify.MAX_RERUN_STEPS
+    assert reverify.rerun_steps(spec.replace(steps=2), 3) == 2  # never past the run's own end
 
 
 def test_evidence_rejects_a_run_that_carries_another_nonce(runs, tmp_path):

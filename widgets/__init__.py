@@ -17,6 +17,7 @@ _WIDGETS = {
     "ClusterStatus": "cluster_status",
     "ParallelismPlanner": "parallelism_planner",
     "Timeline": "timeline",
+    "ResumeOffer": "resume_offer",
 }
 
 

@@ -1,4 +1,4 @@
-"""`scalelab course collect|return|gradebook`: the instructor's week around `scalelab grade`.
+"""`scalelab course collect|return|gradebook|warm|inject`: the instructor's week around `scalelab grade`, the lecture.
 
     scalelab course collect 01_single_device --deadline 2026-12-01T17:00     # from every student's home
     scalelab grade 01_single_device build/collected/01_single_device/*/ -j 2
@@ -6,6 +6,8 @@
     scalelab course gradebook                                                # build/grades/course_gradebook.csv
     scalelab course gradebook --format canvas --roster lms_roster.csv        # Canvas's grade import CSV
     scalelab course gradebook --format moodle --roster lms_roster.csv        # Moodle's grade import CSV
+    scalelab course warm --at 08:50                                          # start the class's servers then
+    sudo scalelab course inject kill --lab 12_capstone                       # the capstone race: a rank dies
 
 Students and their homes come from the hub's settings (`--config`, default hub_config/course.yaml): the class
 list (auth.allowed_users and the roster), and each student's home as the hub makes it (the Unix account's home
@@ -21,7 +23,7 @@ from ..course.lab import GradingError
 
 
 def add_cli(subparsers) -> None:
-    """Add `course` (collect, return, gradebook) to the `scalelab` command."""
+    """Add `course` (collect, return, gradebook, warm, inject) to the `scalelab` command."""
     p = subparsers.add_parser("course", help="collect labs from students' homes, return feedback, course gradebook",
                               description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="course_command", metavar="ACTION", required=True)
@@ -67,6 +69,41 @@ def add_cli(subparsers) -> None:
                         "stopping")
     g.add_argument("--out", help="the CSV (default <grades>/course_gradebook.csv, or course_gradebook_<format>.csv)")
     g.set_defaults(func=gradebook_command)
+
+    w = sub.add_parser("warm", help="start every listed student's server (default profile, class reservation) "
+                                    "before the lecture, through the class dashboard",
+                       description="Start every listed student's server with the course's default profile, as the "
+                                   "dashboard's button does; servers already running are left alone. Needs an "
+                                   "instructor's hub token (the hub's Token page): $JUPYTERHUB_API_TOKEN or "
+                                   "--token-file.")
+    w.add_argument("--config", help="the hub's course settings (default hub_config/course.yaml): the hub's address")
+    w.add_argument("--users", help="students, comma-separated (default: every student on the class list)")
+    w.add_argument("--at", metavar="TIME", help="wait here until TIME (HH:MM today, or 2026-12-01T08:50), then warm; "
+                                                "the token and the list are checked before the wait")
+    w.add_argument("--hub", metavar="URL", help="the dashboard's address (default: from the settings, "
+                                                "http://<hub.ip>:<hub.port>/services/dashboard/)")
+    w.add_argument("--token-file", help="file holding an instructor's hub API token (default $JUPYTERHUB_API_TOKEN)")
+    w.add_argument("--dry-run", action="store_true", help="say whose servers would start; start none")
+    w.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                   help="then wait up to SECONDS for the servers to be ready, and report each as ready or failed")
+    w.set_defaults(func=warm_command)
+
+    i = sub.add_parser("inject", help="the capstone's live challenge: kill or preempt the students' running runs",
+                       description="Write a kill or a preemption to the spool file every engine run watches "
+                                   "($SCALELAB_INJECT_FILE): each run that started before now and matches --lab acts "
+                                   "on it once, within the window. Run it as root: the file must be root's.")
+    i.add_argument("kind", choices=("kill", "preempt"),
+                   help="kill: SIGKILL to one rank of each run; preempt: SIGTERM to every rank (an emergency "
+                        "checkpoint where checkpoint.on_signal is set)")
+    i.add_argument("--file", help="the spool file (default: the hub setting capstone.inject_file, else "
+                                  "/var/lib/scalelab/inject.json)")
+    i.add_argument("--config", help="the hub's course settings (default hub_config/course.yaml): capstone.inject_file")
+    i.add_argument("--lab", default="", metavar="NAME",
+                   help="only runs with a folder NAME in their output path (default: every run)")
+    i.add_argument("--rank", type=int, default=-1, help="kill: the rank to kill (default -1: each run's last rank)")
+    i.add_argument("--window-s", type=float, default=600.0, metavar="S",
+                   help="runs act on it for S seconds from now (default %(default)g)")
+    i.set_defaults(func=inject_command)
 
 
 def _lab(arg: str) -> Path:
@@ -162,4 +199,57 @@ def _lms_gradebook(args) -> int:
     for line in export.not_exported:
         print(f"blank cell: {line}", file=sys.stderr)
     print(path)
+    return 0
+
+
+def warm_command(args) -> int:
+    """Check the request at once (a dry run), wait for --at, warm; one line per student; exit 1 if any failed."""
+    import os
+    from ..hub.settings import load_settings
+    from ..hub.warm import (WarmError, dashboard_url, follow, format_results, parse_at, request_warm,
+                            wait_until)
+    when = parse_at(args.at) if args.at else None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise WarmError(f"--token-file {args.token_file}: {e.strerror}; give the file holding your hub "
+                            "token") from None
+    else:
+        token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
+    if not token:
+        raise WarmError("no hub token: create one on the hub's Token page (/hub/token) as an instructor and pass it "
+                        "in $JUPYTERHUB_API_TOKEN or --token-file FILE")
+    url = args.hub or dashboard_url(load_settings(args.config))
+    users = [u.strip() for u in args.users.split(",") if u.strip()] if args.users else None
+    plan = request_warm(url, token, users, dry_run=True)  # a wrong token or name shows now, not at the lecture
+    if args.dry_run:
+        print(format_results(plan))
+        return 0
+    if when is not None:
+        print(f"{sum(r['outcome'] == 'would start' for r in plan['results'])} servers to start", file=sys.stderr)
+        wait_until(when, say=lambda m: print(m, file=sys.stderr))
+    answer = request_warm(url, token, users)
+    if args.wait > 0:
+        answer = follow(url, token, answer, args.wait)
+    print(format_results(answer))
+    return 1 if answer["failed"] else 0
+
+
+def inject_command(args) -> int:
+    """Issue one instructor injection (run/inject.py) and print what was issued."""
+    import getpass
+    import os
+    import time
+    from ..run.inject import issue
+    path = args.file
+    if not path:
+        from ..hub.settings import load_settings
+        path = (load_settings(args.config).get("capstone") or {}).get("inject_file") or "/var/lib/scalelab/inject.json"
+    record = issue(path, args.kind, by=os.environ.get("SUDO_USER") or getpass.getuser(), lab=args.lab,
+                   rank=args.rank, window_s=args.window_s)
+    target = "every rank" if args.kind == "preempt" else ("the last rank" if args.rank == -1 else f"rank {args.rank}")
+    until = time.strftime("%H:%M:%S %Z", time.localtime(record["expires_at"]))
+    print(f"issued {record['kind']} {record['id']} in {path}: {target} of every run "
+          f"{'under ' + repr(args.lab) + ' ' if args.lab else ''}started before now, until {until}")
     return 0

@@ -1,6 +1,7 @@
 """`scalelab grade` and `scalelab labs release`: thin commands over `grader.grade` and `release.release_labs`.
 
     scalelab grade labs/01_ddp subs/*.ipynb -j 2 --out build/grades/01_ddp
+    scalelab grade labs/01_ddp subs/*.ipynb -j 8 --slurm --partition grading   # each submission a Slurm job
     scalelab labs release                      # every lab into build/student/labs/ (the hub hands these out)
     scalelab labs release 01_ddp --out /srv/course/labs
 """
@@ -43,6 +44,12 @@ def add_cli(subparsers) -> None:
     g.add_argument("--job-mb", type=int, default=2048, metavar="MIB",
                    help="as root, each job folder is a tmpfs of this size (default 2048): a run cannot fill the "
                         "disk; 0: not capped")
+    g.add_argument("--slurm", action="store_true",
+                   help="run each submission's sandboxed job as a Slurm job on the grading partition (as root); "
+                        "checks and scores stay here. --workdir must be shared with the grading nodes")
+    g.add_argument("--partition", metavar="NAME", help="with --slurm: the grading partition (default: grading)")
+    g.add_argument("--slurm-cpus", type=int, default=2, metavar="N",
+                   help="with --slurm: CPUs per submission's job (default 2)")
     g.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     g.set_defaults(func=grade_command)
 
@@ -145,17 +152,22 @@ def _parameters(pairs: list[str]) -> dict:
 def grade_command(args) -> int:
     """`scalelab grade`: 0 when every submission was graded, 1 when the grader failed on one."""
     from ..grade.grader import GradeOptions, grade
+    from ..grade.slurm_grading import SlurmGrading
     from ..course.release import resolve_lab
     if args.jobs < 1:
         raise GradingError(f"-j/--jobs must be >= 1, got {args.jobs}")
     if args.job_mb < 0:
         raise GradingError(f"--job-mb must be a size in MiB (0: not capped), got {args.job_mb}")
+    if (args.partition or args.slurm_cpus != 2) and not args.slurm:
+        raise GradingError("--partition and --slurm-cpus choose how --slurm grades: add --slurm, or leave them out "
+                           "to grade on this host")
+    slurm = SlurmGrading(partition=args.partition or "grading", cpus=args.slurm_cpus) if args.slurm else None
     options = GradeOptions(jobs=args.jobs, parameters=_parameters(args.set) or None,
                            cell_timeout_s=args.cell_timeout, total_timeout_s=args.total_timeout,
                            memory_mb=args.memory_mb, network=True if args.allow_network else None,
                            sandbox=not args.no_sandbox, hide=tuple(args.hide), workdir=args.workdir,
                            keep_workdirs=args.keep_workdirs, job_mb=args.job_mb or None,
-                           reverify=not args.no_reverify)
+                           reverify=not args.no_reverify, slurm=slurm)
 
     def progress(r):
         if not args.json:

@@ -15,7 +15,8 @@
    `labs/<lab>.ipynb`: the executed notebook with every exercise solution replaced by `# YOUR CODE HERE` (outputs
    kept, so the page shows the plots but not the answers), papermill's injected cell, `record()` outputs and widget
    views removed; `_student/<lab>.zip`: the student copy (`scalelab labs release`); `labs/index.md` and `_labs.json`
-   (what the `{lab}` role in site pages links to).
+   (what the `{lab}` role in site pages links to); with `--leaderboard`, `leaderboard.md`: a graded capstone's board
+   under pseudonyms (the rows made by the CLI: this wing reads no grades).
    Unchanged files are not rewritten, so Sphinx rebuilds only what changed.
 3. Sphinx (myst-nb reads the notebooks, no execution) with warnings as errors into `site/_build/html`.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import html
 import io
 import json
 import subprocess
@@ -153,9 +155,11 @@ def student_zip(lab_dir: Path) -> bytes:
         return buf.getvalue()
 
 
-def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]], listed: list[Lab] | None = None) -> Path:
+def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]], listed: list[Lab] | None = None,
+          leaderboard: dict | None = None) -> Path:
     """Write the Sphinx source tree: site/ plus one page and one download per (lab, executed notebook). The landing
-    page lists the labs `listed` (default: those staged), linking those staged."""
+    page lists the labs `listed` (default: those staged), linking those staged. `leaderboard` ({"lab", "rows"}:
+    pseudonymised rows) adds `leaderboard.md`, linked from the labs' overview."""
     src = stage_dir / "src"
     wanted: set[Path] = set()
     published = {lab.name for lab, _ in labs}
@@ -180,7 +184,9 @@ def stage(site_src: Path, stage_dir: Path, labs: list[tuple[Lab, Path]], listed:
                         _read_stamp(executed.parent / STAMP))
         put(f"labs/{lab.name}.ipynb", json.dumps(page, indent=1, ensure_ascii=False) + "\n")
         entries[lab.name.split("_")[0]] = {"doc": f"labs/{lab.name}", "title": lab.title, "minutes": lab.minutes}
-    put("labs/index.md", labs_index([lab for lab, _ in labs]))
+    if leaderboard is not None:
+        put("leaderboard.md", leaderboard_page(leaderboard["rows"], leaderboard["lab"]))
+    put("labs/index.md", labs_index([lab for lab, _ in labs], board=leaderboard is not None))
     put("_labs.json", json.dumps(entries, indent=1, sort_keys=True) + "\n")
     for path in sorted(src.rglob("*"), reverse=True):  # a page removed from site/ or a lab removed from labs/
         if path.is_file() and path not in wanted:
@@ -207,8 +213,9 @@ def landing_page(text: str, labs: list[Lab], published: set[str]) -> str:
     return "\n".join(listing if line.strip() == LABS_MARKER else line for line in text.split("\n"))
 
 
-def labs_index(labs: list[Lab]) -> str:
-    """The labs overview page (Markdown): a table with time and goals, and the toctree of lab pages."""
+def labs_index(labs: list[Lab], board: bool = False) -> str:
+    """The labs overview page (Markdown): a table with time and goals, and the toctree of lab pages; `board`: a link
+    to the capstone's leaderboard page."""
     lines = ["# Labs", "",
              "Each lab is a Jupyter notebook: teaching text, short cells that call the `scalelab` library, exercises "
              "and self-checks. The pages below show each lab executed on a CPU at small sizes, with its plots; the "
@@ -224,8 +231,53 @@ def labs_index(labs: list[Lab]) -> str:
             minutes = f"{lab.minutes} min" if lab.minutes else ""
             lines.append(f"| {lab.name.split('_')[0]} | [{lab.title}]({lab.name}.ipynb) | {minutes} | {goals} |")
         lines.append("")
+    if board:
+        lines += ["The capstone's class challenge: [the leaderboard](../leaderboard.md).", ""]
     lines += ["```{toctree}", ":hidden:", ":maxdepth: 1", "", *[lab.name for lab in labs], "```", ""]
     return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    """`value` as text inside the raw HTML of a page: escaped, on one line, no backtick (it cannot end the block)."""
+    return html.escape(" ".join(str(value).split())[:300]).replace("`", "&#96;")
+
+
+def _seconds(value) -> str:
+    return "–" if value is None else f"{value:,.1f} s"
+
+
+def leaderboard_table(rows: list[dict]) -> str:
+    """The capstone's board as one line of HTML (`grade.leaderboard.standings` rows, names already as they may be
+    shown): every value escaped (student names, choices and reasons come from students' submissions); a row with
+    "you" set is marked. The dashboard and the site draw the same table."""
+    head = ("place", "student", "time to target", "held-out accuracy", "rank-seconds / budget",
+            "lost to the injected failure", "choices", "note")
+    body = []
+    for r in rows:
+        acc = r.get("accuracy")
+        used, budget = r.get("rank_seconds"), r.get("budget_rank_s")
+        cells = [_cell(r.get("place") or "–"),
+                 _cell(r.get("student", "")) + (" <strong class='you'>you</strong>" if r.get("you") else ""),
+                 _seconds(r.get("time_to_target_s")) if r.get("ranked") else "–",
+                 "–" if acc is None else f"{100 * acc:.1f} %" if acc <= 1 else f"{acc:g}",
+                 ("–" if used is None else f"{used:,.0f}") + (f" / {budget:,.0f}" if budget is not None else ""),
+                 _seconds(r.get("lost_s")),
+                 _cell(", ".join(f"{k}={v}" for k, v in (r.get("choices") or {}).items())),
+                 _cell(r.get("why") or ("" if r.get("ranked") else "not ranked"))]
+        kind = "you" if r.get("you") else "ranked" if r.get("ranked") else "unranked"
+        body.append(f"<tr class='{kind}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return ("<table id='leaderboard'><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
+            + "".join(body) + "</tbody></table>")
+
+
+def leaderboard_page(rows: list[dict], lab: str) -> str:
+    """The site's leaderboard page (Markdown with the table as raw HTML; not in a toctree: linked from the labs'
+    overview). `rows` must already be pseudonymised (`scalelab.hub.capstone.public_rows`)."""
+    return ("---\norphan: true\n---\n\n# Capstone leaderboard\n\n"
+            f"The class challenge of {_cell(lab)}, as the grader measured it after the deadline: time to the target "
+            "accuracy on the held-out set, within the rank-seconds budget, an injected failure included. Names are "
+            "pseudonyms; yours is on your dashboard's board while the challenge is open.\n\n"
+            f"```{{raw}} html\n{leaderboard_table(rows)}\n```\n")
 
 
 def _lower_first(text: str) -> str:
@@ -247,8 +299,10 @@ def run_sphinx(src: Path, out: Path, doctrees: Path) -> float:
 
 def build_site(labs_root: str | Path | None = None, site_src: str | Path = SITE_SRC, out: str | Path = HTML_OUT,
                executed_root: str | Path = EXECUTED, stage_dir: str | Path = STAGE, only: list[str] | None = None,
-               force: bool = False, progress: Callable[[str], None] = lambda msg: None) -> SiteReport:
-    """Execute (or reuse) every lab, stage the pages and build the HTML; see the module docstring."""
+               force: bool = False, progress: Callable[[str], None] = lambda msg: None,
+               leaderboard: dict | None = None) -> SiteReport:
+    """Execute (or reuse) every lab, stage the pages and build the HTML; see the module docstring. `leaderboard`:
+    {"lab", "rows"} of a graded capstone, pseudonymised (`scalelab site build --leaderboard`), adds its page."""
     labs_root = Path(labs_root) if labs_root else ROOT / "labs"
     site_src, out, stage_dir = Path(site_src), Path(out), Path(stage_dir)
     if not (site_src / "conf.py").is_file():
@@ -275,7 +329,7 @@ def build_site(labs_root: str | Path | None = None, site_src: str | Path = SITE_
             staged.append((load_lab(d), done.notebook))
         if failures:
             raise LabExecutionFailed(failures)
-        src = stage(site_src, stage_dir, staged, [load_lab(d) for d in find_labs(labs_root)])
+        src = stage(site_src, stage_dir, staged, [load_lab(d) for d in find_labs(labs_root)], leaderboard)
         progress(f"sphinx: {src} -> {out}")
         report.sphinx_s = run_sphinx(src, out, stage_dir / "doctrees")
     return report
@@ -301,5 +355,6 @@ def report_dict(report: SiteReport) -> dict:
 
 __all__ = ["SiteBuildError", "LabExecutionFailed", "ExecutedLab", "SiteReport", "lab_hash", "ensure_executed",
            "hide_solutions", "lab_page", "student_zip", "stage", "landing_page", "labs_index", "run_sphinx",
+           "leaderboard_table", "leaderboard_page",
            "build_site",
            "report_dict", "SITE_SRC", "HTML_OUT", "EXECUTED", "STAGE", "HIDDEN", "LABS_MARKER"]

@@ -37,8 +37,12 @@ Each module serves one lab and builds its models, data and optimizers with the e
                    worker sharing a journal file, trials stopped early by the median pruner, steps saved.
 - `nas`            (lab 10) architecture search where children start from their parent's weights (Net2Net-style
                    widen/deepen, function-preserving) vs from scratch: accuracy, steps saved, lineage.
-- `queue_sim`      (lab 10) a FIFO + backfill queue over a seeded trace; a job chain submitted reactively, with
+- `queue_sim`      (lab 11) a FIFO + backfill queue over a seeded trace; a job chain submitted reactively, with
                    afterok, or at a predicted wait (Mirage-style): idle gaps and queue time.
+- `queue_policy`   (lab 11) Mirage in small: a queue-wait model learned from traces, the provisioning policy on it
+                   against reactive and average baselines on held-out traces, and the grader's replay.
+- `root_cause`     (lab 11) which rank, which phase: 2-rank runs with one rank slowed in its data or compute
+                   phase (fault.phase), the student's diagnosis from the events alone scored on held-out cases.
 - `profiling`      a profiled run's traces read back: step phases, each collective, the comm/compute overlap per
                    rank, Horovod's timeline, and the Timeline figure (the Timeline widget's core).
 - `tensorboard`    a run's event scalars (loss, lr, samples/s, phase times, memory) as TensorBoard files, one
@@ -46,7 +50,10 @@ Each module serves one lab and builds its models, data and optimizers with the e
 - `optimization`   (lab 09) LARS with the student's trust ratio against pytorch-optimizer's, time to accuracy
                    across optimizers and batches, K-FAC/KAISA trajectories and costs on ranks (`run_spmd`).
 - `workflows`      (lab 10) a lineage store of models sharing tensors with their parents, continual learning
-                   with a rehearsal buffer spread over the ranks, a performance model from the course's runs.
+                   with a rehearsal buffer (the student's keep()) spread over the ranks; (lab 11) a performance
+                   model fitted on a grid of engine runs and tested on runs between its points (perf_sweep).
+- `online`         (lab 10) a simulation in the training loop: heat-solver ranks publish chunks to a stream folder
+                   while a trainer rank trains a surrogate on them, with drift and a rehearsal buffer.
 - `plots`          the labs' figures (matplotlib object API, PNG).
 
 Lab-only measurement code lives here and nowhere else: `scalelab.data` and `scalelab.ckpt` are the engine's.

@@ -139,10 +139,12 @@ def check(points: float = 1.0, name: str | None = None, needs_run: bool = False)
     return wrap
 
 
-def load_checks(path: str | Path, hidden: bool = False) -> list[Check]:
+def load_checks(path: str | Path, hidden: bool = False, hooks: dict | None = None) -> list[Check]:
     """The checks a checks file defines, in definition order (loaded as a fresh module each time). Safe to call
     from several threads at once (two grading batches in one process, the hub's dashboard): each thread collects
-    into its own registry."""
+    into its own registry. With `hooks`, the file's GRADER_HOOKS (a dict: "heldout", the held-out set the grader
+    scores the runs' checkpoints on, grade/heldout.py; "standing", records -> the student's place on a class board,
+    grade/leaderboard.py) are added to it."""
     path = Path(path)
     spec = importlib.util.spec_from_file_location(f"scalelab_checks_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -154,7 +156,14 @@ def load_checks(path: str | Path, hidden: bool = False) -> list[Check]:
         _LOADING.registry = previous
     for c in found:
         c.hidden = hidden
+    if hooks is not None and isinstance(getattr(module, "GRADER_HOOKS", None), dict):
+        hooks.update({k: v for k, v in module.GRADER_HOOKS.items() if k in GRADER_HOOKS})
     return found
+
+
+GRADER_HOOKS = ("heldout", "standing")
+"""What a hidden checks file may hand the grader besides checks (its GRADER_HOOKS dict); a public checks file's are
+never read (a student sees it)."""
 
 
 _READS = threading.local()
@@ -224,6 +233,15 @@ def param(r: Mapping, name: str) -> Any:
     return given.get(name) if isinstance(given, Mapping) else None
 
 
+def grading_nonce(r: Mapping) -> str | None:
+    """This grading's nonce (run/nonce.py), None outside the grader: a check of a computation the notebook seeded
+    from it (`scalelab.run.nonce.mix_seed`) recomputes the seeds with it, so values copied from another grading,
+    or computed on seeds of the student's choosing, do not fit."""
+    from .evidence import NONCE
+    given = r.get(NONCE)
+    return given if isinstance(given, str) else None
+
+
 def evidence(r: Mapping, run_dir: str, in_process: bool = False, **sizes) -> dict:
     """The grader's summary of the run in `run_dir` (from its event files); fails the check if there is none or
     if its events are not plausible.
@@ -287,15 +305,16 @@ def close(found, recorded, rel: float = 1e-6, what: str = "value") -> None:
     assert ok, f"the recorded {what} ({recorded!r:.12}) is not what the run's event files show ({found!r:.12})"
 
 
-def lab_checks(lab_dir: str | Path, include_hidden: bool = True) -> list[Check]:
-    """A lab's public checks (checks.py) and, unless excluded, its hidden ones (hidden_checks.py)."""
+def lab_checks(lab_dir: str | Path, include_hidden: bool = True, hooks: dict | None = None) -> list[Check]:
+    """A lab's public checks (checks.py) and, unless excluded, its hidden ones (hidden_checks.py), whose
+    GRADER_HOOKS go into `hooks` when given."""
     lab_dir = Path(lab_dir)
     checks = load_checks(lab_dir / "checks.py") if (lab_dir / "checks.py").exists() else []
     hidden = lab_dir / "hidden_checks.py"
     if include_hidden and hidden.exists():
-        checks += load_checks(hidden, hidden=True)
+        checks += load_checks(hidden, hidden=True, hooks=hooks)
     return checks
 
 
-__all__ = ["check", "partial", "Partial", "param", "evidence", "made_runs", "close", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
+__all__ = ["check", "partial", "Partial", "param", "grading_nonce", "evidence", "made_runs", "close", "Check", "CheckResult", "MissingRecord", "Records", "OUTCOMES",
            "load_checks", "run_check", "run_checks", "lab_checks"]

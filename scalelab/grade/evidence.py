@@ -53,6 +53,9 @@ WORKDIR = PREFIX + "workdir"
 PARAMS = PREFIX + "parameters"
 """The parameters the grader injected (lab.yaml's grading parameters and --set): hidden checks compare the runs'
 sizes with these, never with what the notebook recorded (`checks.param`, `checks.evidence(..., steps="steps")`)."""
+NONCE = PREFIX + "nonce"
+"""The grading's nonce (run/nonce.py): checks of a computation seeded from it (`checks.grading_nonce`) recompute
+the seeds, so numbers copied from another grading do not fit."""
 CHANGED = PREFIX + "changed_parameters"
 """{parameter: the value the notebook recorded} where a record of the lab's parameters (`labNN_params`) disagreed
 with the grader's value: a cell changed the parameter after the grader injected it."""
@@ -228,6 +231,7 @@ def _summary(files: dict[int, list], started: float | None, now: float, nonce: s
     steps = [e for e in main if e.get("type") == "step"]
     wire = [e.get("wire_bytes") for e in steps if isinstance(e.get("wire_bytes"), (int, float))]
     out.update(lr_curve=[e.get("lr") for e in steps][:MAX_CURVE], step_numbers=[e.get("step") for e in steps][:MAX_CURVE],
+               evals=[[e.get("step"), e.get("accuracy")] for e in main if e.get("type") == "eval"][:MAX_CURVE],
                wire_bytes_per_step=sorted(wire)[len(wire) // 2] if wire else None,
                comm_hook=start.get("comm_hook"), schedule=start.get("schedule"),
                code=start.get("code") if isinstance(start.get("code"), dict) else {},
@@ -406,4 +410,4 @@ def relative_run_dir(run_dir: str, workdir: str | None) -> str:
     return Path(os.path.normpath(text)).as_posix()
 
 
-__all__ = ["PREFIX", "RUNS", "WORKDIR", "PARAMS", "CHANGED", "apply_parameters", "strip_grader_records", "run_evidence", "implausible", "relative_run_dir"]
+__all__ = ["PREFIX", "RUNS", "WORKDIR", "PARAMS", "NONCE", "CHANGED", "apply_parameters", "strip_grader_records", "run_evidence", "implausible", "relative_run_dir"]

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import reverify
+from . import heldout, leaderboard, reverify, slurm_grading
 from .checks import Check, CheckResult, lab_checks, run_checks
 from .report import file_key
-from .evidence import RUNS, apply_parameters, run_evidence, strip_grader_records
+from .evidence import NONCE, RUNS, apply_parameters, run_evidence, strip_grader_records
 from .job import (JOB_NAME_CHARS, cap_job_folder, copy_submission, finish_batch, guard_parameters, hidden_paths,
                   job_base, reap_crashed_batches, release_job_folder, run_job, runs_need, working_copy)
 from ..course.lab import NOTEBOOK, GradingError, Lab, load_lab
@@ -77,6 +77,9 @@ class GradeOptions:
     """Largest executed notebook the grader reads back (its records are lost beyond that)."""
     continue_on_error: bool = True
     """Run every cell even after one raised: an unsolved exercise does not cost the points of what follows it."""
+    slurm: slurm_grading.SlurmGrading | None = None
+    """Run each submission's sandboxed job (and its re-runs) as a Slurm job on a grading partition
+    (grade/slurm_grading.py: the node plans the sandbox); checks and scores stay here. None: on this host."""
     reverify: bool = True
     """Re-run a sample of each submission's runs with the grading's nonce and hold the runs to it (lab.yaml's
     reverify_runs; grade/reverify.py). False: trust runs whose files look right (noted in every result)."""
@@ -109,6 +112,9 @@ class SubmissionResult:
     duration_s: float = 0.0
     notebook: str | None = None
     """The stored executed notebook (outputs capped), relative to the batch's output folder."""
+    standing: dict[str, Any] | None = None
+    """A lab with a class board (its hidden checks' GRADER_HOOKS["standing"]): where this submission stands, from
+    the records the checks ran on (grade/leaderboard.py)."""
 
     @property
     def percent(self) -> float:
@@ -171,12 +177,15 @@ def grade(lab_dir: str | Path, submissions: list, out_dir: str | Path | None = N
     start = time.monotonic()
     options = options or GradeOptions()
     lab = load_lab(lab_dir)
+    if options.slurm:
+        slurm_grading.preflight(options.slurm)  # no partition, no Slurm: said once, before any submission
     subs = (list(submissions) if submissions and all(isinstance(s, Submission) for s in submissions)
             else collect_submissions(submissions))
     out = Path(out_dir or Path("build") / "grades" / lab.name).resolve()
     from . import report
     report.prepare_out_dir(out, private=os.geteuid() == 0)
-    checks = lab_checks(lab.path)  # loaded once, here: check code never runs where a student's code runs
+    hooks: dict[str, Any] = {}
+    checks = lab_checks(lab.path, hooks=hooks)  # loaded once, here: check code never runs where a student's code runs
     reaped = reap_crashed_batches(options.workdir)  # a dead grader's mounted job folders and runs end here
     base = job_base(options.workdir, options.sandbox, keep=options.keep_workdirs)
     try:
@@ -185,7 +194,7 @@ def grade(lab_dir: str | Path, submissions: list, out_dir: str | Path | None = N
         shutil.rmtree(base, ignore_errors=True)
         raise
     hide, cover = hidden_paths(lab, [s.path for s in subs], out, base, options.hide, needed) if needed else ([], [])
-    ctx = _Context(lab, checks, options, out, base, hide, cover, needed)
+    ctx = _Context(lab, checks, options, out, base, hide, cover, needed, hooks)
     results: list[SubmissionResult] = []
     try:
         with ThreadPoolExecutor(max_workers=max(1, options.jobs), thread_name_prefix="grade") as pool:
@@ -213,6 +222,8 @@ class _Context:
     hide: list[str]
     cover: list[str] = field(default_factory=list)
     needed: list[str] = field(default_factory=list)
+    hooks: dict[str, Any] = field(default_factory=dict)
+    """The hidden checks' GRADER_HOOKS: a held-out set to score checkpoints on, a standing for the class board."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -244,7 +255,7 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     started = time.time()  # no event of this run can be older: its working copy does not exist yet
     nonce = secrets.token_hex(8)  # this grading's: mixed into every run's initial weights (run/nonce.py)
     job = Path(tempfile.mkdtemp(prefix=f"{key[:JOB_NAME_CHARS]}-", dir=ctx.base))  # short: see job.MAX_BASE_CHARS
-    capped = opts.sandbox and cap_job_folder(job, opts.job_mb)
+    capped = opts.sandbox and not opts.slurm and cap_job_folder(job, opts.job_mb)  # a tmpfs here: not on a node
     try:
         result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
         problem = copy_submission(sub.path, job / "work")
@@ -258,7 +269,9 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
                                network=settings.network if opts.network is None else opts.network,
                                hide=tuple(ctx.hide), cover=tuple(ctx.cover), needed=tuple(ctx.needed),
                                workdir=str(job))
-        if opts.sandbox:
+        if opts.slurm:  # planned on the grading node, inside the job (slurm_grading.main); described after it
+            plan = SandboxPlan(memory_bytes=None)
+        elif opts.sandbox:
             plan = plan_sandbox(policy)
         else:
             plan = SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
@@ -268,11 +281,21 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
                           "on the workdir's filesystem, not capped"}
         if taken:
             result.notes.append(f"your own versions of {taken} were used")
+
+        def execute(plan: SandboxPlan, *args, **kw) -> dict:
+            if not opts.slurm:
+                return run_job(job, plan, *args, **kw)
+            outcome, used, where = slurm_grading.run_job(job, policy if opts.sandbox else None, *args, slurm=opts.slurm,
+                                                         **kw)
+            if used is not None and "slurm" not in result.sandbox:  # the notebook's job, not a re-run's
+                result.sandbox.update(used.describe(), slurm=where)
+            return outcome
+
         try:
             if problem:
                 outcome = {"status": "malformed", "message": problem}
             else:
-                outcome = run_job(job, plan, parameters,
+                outcome = execute(plan, parameters,
                                   opts.cell_timeout_s or settings.cell_timeout_s,
                                   opts.total_timeout_s or settings.total_timeout_s,
                                   ctx.out / "instructor" / "logs" / f"{key}.log",
@@ -282,10 +305,10 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
 
         def rerun(items: list[dict]) -> dict:
             # a fresh sandbox under the same policy: the notebook's processes are all gone by now
-            again = plan_sandbox(policy) if opts.sandbox else plan
+            again = plan_sandbox(policy) if opts.sandbox and not opts.slurm else plan
             limit = settings.reverify_timeout_s
             try:
-                return run_job(job, again, {}, limit, limit, ctx.out / "instructor" / "logs" / f"{key}.reverify.log",
+                return execute(again, {}, limit, limit, ctx.out / "instructor" / "logs" / f"{key}.reverify.log",
                                nonce=nonce, reverify=items)
             finally:
                 cleanup(again)
@@ -339,6 +362,8 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     if parameters is None:
         parameters = {**ctx.lab.grading.parameters, **(ctx.options.parameters or {})}
     result.notes += apply_parameters(records, parameters)
+    if nonce:
+        records[NONCE] = nonce
     result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
     reads: dict[str, list[str]] = {}
     result.checks = run_checks(ctx.checks, records, reads)
@@ -346,8 +371,14 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
         result.notes.append("re-verification was switched off for this grading (--no-reverify): runs whose files look "
                             "right were trusted")
     elif rerun is not None and nonce and ctx.lab.grading.reverify_runs and result.status != "malformed" and \
-            _reverify(ctx, job, sub, records, result, reads, rerun):
+            reverify.hold(ctx.lab.grading, {c.name for c in ctx.checks if c.needs_run}, job, records, result, reads,
+                          rerun, lambda line: _log_reverify(ctx, sub, line)):
         result.checks = run_checks(ctx.checks, records)
+    if ctx.hooks.get("heldout") and rerun is not None and result.status != "malformed" and \
+            heldout.hold(ctx.hooks["heldout"], job, records, result, rerun, lambda line: _log_reverify(ctx, sub, line)):
+        result.checks = run_checks(ctx.checks, records)
+    if callable(ctx.hooks.get("standing")):
+        result.standing = leaderboard.place(ctx.hooks["standing"], records)
     from . import report
     try:
         report.write_records(ctx.out, sub.student, records)
@@ -363,66 +394,6 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     _score(result)
     if nb is not None:
         result.notebook = _store_notebook(ctx.out, sub.student, nb)
-
-
-def _reverify(ctx: _Context, job: Path, sub: Submission, records: dict, result: SubmissionResult,
-              reads: dict[str, list[str]], rerun: Callable[[list[dict]], dict]) -> bool:
-    """Re-run a sample of the runs behind the submission's points and hold them to it (grade/reverify.py); marks
-    the runs that fail as implausible in `records` (all of them when one run's losses differ: its files are
-    forged). Returns whether anything was marked, so the checks run again."""
-    runs = records.get(RUNS)
-    if not isinstance(runs, dict):
-        return False
-    settings = ctx.lab.grading
-    keys = reverify.runs_behind_points(result.checks, reads, runs, {c.name for c in ctx.checks if c.needs_run})
-    items, skipped, bad = reverify.plan(job / "work", job, runs, keys, settings.reverify_runs,
-                                        settings.reverify_steps)
-    for key, why in bad.items():
-        runs[key] = {**runs[key], "implausible": [f"{why}: the grader cannot tell this run from one written by hand"]}
-        result.notes.append(f"{key!r}: {why}; its numbers count for nothing")
-    if not items:
-        if keys and not bad:
-            result.notes.append("the grader re-runs a sample of the runs behind your points; none of yours could be "
-                                "re-run: " + cap_text("; ".join(skipped), 300))
-        return bool(bad)
-    t0 = time.monotonic()
-    outcome = rerun(items)
-    took = time.monotonic() - t0
-    _log_reverify(ctx, sub, f"re-ran {[i['key'] for i in items]} in {took:.1f} s")
-    done = {d.get("key"): d for d in outcome.get("reruns", []) if isinstance(d, dict)} \
-        if isinstance(outcome.get("reruns"), list) else {}
-    marked, forged = bool(bad), []
-    for i, item in enumerate(items):
-        key, steps = item["key"], item["steps"]
-        error = done.get(key, {}).get("error") if key in done else \
-            f"the re-run did not report ({cap_text(str(outcome.get('status')), 40)})"
-        if error:
-            runs[key] = {**runs[key], "implausible": ["the grader's re-run of this run failed, so its numbers "
-                                                      "count for nothing"]}
-            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed; the re-run "
-                                "failed (its output is in the instructor's log), so that run's points are withheld")
-            _log_reverify(ctx, sub, f"{key}: {error}")
-            marked = True
-            continue
-        differs = reverify.compare(reverify.step_losses(job / "work", Path(key)),
-                                   reverify.step_losses(job, Path(reverify.REVERIFY_DIR) / f"r{i}"), steps)
-        if differs:
-            forged.append(f"{key} ({differs})")
-        else:
-            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed: its losses "
-                                f"are the run's own (verified; re-running took {took:.0f} s)")
-    if forged:
-        why = cap_text("; ".join(forged), 400)
-        for key in list(runs):
-            if isinstance(runs[key], dict):
-                runs[key] = {**runs[key], "implausible": [f"a run of this notebook does not match the grader's re-run "
-                                                          f"of it ({why}): no run's event files are trusted"]}
-        result.notes.append(f"the grader re-ran runs of this notebook with this grading's seed and got other losses: "
-                            f"{why}. Event files that a real run of this notebook did not write count for nothing; "
-                            "this submission is flagged for the instructor")
-        _log_reverify(ctx, sub, f"FLAGGED: {why}")
-        marked = True
-    return marked
 
 
 def _log_reverify(ctx: _Context, sub: Submission, line: str) -> None:

@@ -113,7 +113,8 @@ def result_to_dict(result) -> dict:
             "max_score": result.max_score, "percent": result.percent,
             "checks": [check_to_dict(c) for c in result.checks], "execution": result.execution,
             "notes": result.notes, "sandbox": result.sandbox, "duration_s": result.duration_s,
-            "notebook": result.notebook, "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "notebook": result.notebook, "graded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **({"standing": result.standing} if getattr(result, "standing", None) is not None else {})}
 
 
 def write_submission(out: Path, result) -> dict:

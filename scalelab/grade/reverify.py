@@ -37,10 +37,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import SpecError, UntrustedFileError
-from .untrusted import load_json_beneath
+from .evidence import RUNS
+from .untrusted import cap_text, load_json_beneath
 
 REVERIFY_DIR = "reverify"
 """In the job folder, beside work/: one folder per re-run (r0, r1 ...)."""
@@ -48,6 +49,9 @@ LOSS_REL_TOL = 1e-5
 """Same spec, same nonce, same thread count: the losses agree to float noise (gloo sums in a fixed order); another
 initialisation differs far more than this from the first step on."""
 LOSS_ABS_TOL = 1e-7
+MAX_RERUN_STEPS = 20
+"""A run that logs a loss every `log_every` steps is re-run up to its first logged step (re-runs log every step), at
+most this many steps; a run that logs none of them cannot be verified and its points are withheld."""
 MAX_WORLD = 8
 MAX_SPEC_BYTES = 2**20
 
@@ -119,11 +123,14 @@ def rerun_spec(spec, workdir: Path, out_dir: Path, threads: Any, steps: int):
         else "local"  # Horovod's ranks need its own launcher; every other strategy runs the same on local processes
     return spec.replace(launcher=launcher, world=world, data=data, fault=FaultSpec(),
                         checkpoint=CheckpointSpec(every_steps=0, resume=False), profile=ProfileSpec(),
-                        slurm=SlurmSpec(), output_dir=str(out_dir), log_every=1), min(steps, total_steps(spec))
+                        slurm=SlurmSpec(), output_dir=str(out_dir), log_every=1), rerun_steps(spec, steps)
 
 
-def total_steps(spec) -> int:
-    return spec.steps if not spec.epochs else 10**9
+def rerun_steps(spec, steps: int) -> int:
+    """How many steps the re-run makes: `steps`, or up to the run's first logged step when it logs less often (at
+    most MAX_RERUN_STEPS), never past the run's own end (an epoch-based run's end is past any of these)."""
+    n = min(max(steps, spec.log_every), max(steps, MAX_RERUN_STEPS))
+    return n if spec.epochs else min(n, spec.steps)
 
 
 def plan(workdir: Path, job: Path, runs: dict, keys: list[str], count: int, steps: int,
@@ -163,6 +170,10 @@ def rerun_all(items: list[dict], nonce: str, timeout_s: float) -> dict:
             done.append({"key": item["key"], "error": "the grader's time for re-runs ran out before this one"})
             continue
         try:
+            if "heldout" in item:  # the grader's scoring of checkpoints on its held-out set (grade/heldout.py)
+                from .heldout import score_in_sandbox
+                done.append({"key": item["key"], "error": score_in_sandbox(item, left)})
+                continue
             done.append({"key": item["key"], "error": _rerun_one(item, nonce, left)})
         except Exception as e:  # noqa: BLE001 - a working copy the student's code arranged: that run's failure only
             done.append({"key": item["key"], "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -213,13 +224,18 @@ def step_losses(base: Path, run_dir: Path) -> dict[int, dict[int, float]]:
     return out
 
 
-def compare(original: dict[int, dict[int, float]], rerun: dict[int, dict[int, float]], steps: int) -> str | None:
-    """None when the run's losses equal the re-run's for every rank and every step both have up to `steps`; else
-    what differs (or why nothing could be compared)."""
+SAME, DIFFERS, UNVERIFIED = "same", "differs", "unverified"
+
+
+def compare(original: dict[int, dict[int, float]], rerun: dict[int, dict[int, float]],
+            steps: int) -> tuple[str, str]:
+    """(SAME, "") when the run's losses equal the re-run's for every rank and every step both have up to `steps`;
+    (DIFFERS, what differs) when a loss or the set of ranks differs — the run's files were not written by a run of
+    this grading; (UNVERIFIED, why) when the two share no logged step, so nothing could be held to anything."""
     if not rerun:
-        return "the re-run wrote no step events"
+        return UNVERIFIED, "the re-run wrote no step events"
     if sorted(original) != sorted(rerun):
-        return f"the run has ranks {sorted(original)}, the re-run {sorted(rerun)}"
+        return DIFFERS, f"the run has ranks {sorted(original)}, the re-run {sorted(rerun)}"
     compared = 0
     for rank in sorted(rerun):
         for step in sorted(s for s in rerun[rank] if s <= steps):
@@ -228,11 +244,82 @@ def compare(original: dict[int, dict[int, float]], rerun: dict[int, dict[int, fl
             a, b = original[rank][step], rerun[rank][step]
             same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=LOSS_REL_TOL, abs_tol=LOSS_ABS_TOL)
             if not same:
-                return f"rank {rank}, step {step}: the run's loss {a:.6g}, the grader's re-run {b:.6g}"
+                return DIFFERS, f"rank {rank}, step {step}: the run's loss {a:.6g}, the grader's re-run {b:.6g}"
             compared += 1
     if not compared:
-        return "the run logged none of the steps the re-run made"
-    return None
+        return UNVERIFIED, f"the run logged none of the first {steps} step(s), which the re-run made"
+    return SAME, ""
 
 
-__all__ = ["REVERIFY_DIR", "runs_behind_points", "eligible", "plan", "rerun_all", "step_losses", "compare"]
+# -- the grader's side, after the notebook: pick, re-run, hold ----------------------------------------------------
+
+def hold(settings, gated: set[str], job: Path, records: dict, result, reads: dict[str, list[str]],
+         rerun: Callable[[list[dict]], dict], log: Callable[[str], None]) -> bool:
+    """Re-run (with `rerun`, the runner in the sandbox) a sample of the runs behind the submission's points, as
+    `settings` (the lab's grading) says, and hold them to it; `gated`: the names of checks declared needs_run.
+    Marks the runs that fail as implausible in `records` (all of them when one run's losses differ: its files are
+    forged), writes what happened in `result.notes` and the instructor's `log`. Returns whether anything was
+    marked, so the checks run again."""
+    runs = records.get(RUNS)
+    if not isinstance(runs, dict):
+        return False
+    keys = runs_behind_points(result.checks, reads, runs, gated)
+    items, skipped, bad = plan(job / "work", job, runs, keys, settings.reverify_runs, settings.reverify_steps)
+    for key, why in bad.items():
+        runs[key] = {**runs[key], "implausible": [f"{why}: the grader cannot tell this run from one written by hand"]}
+        result.notes.append(f"{key!r}: {why}; its numbers count for nothing")
+    if not items:
+        if keys and not bad:
+            result.notes.append("the grader re-runs a sample of the runs behind your points; none of yours could be "
+                                "re-run: " + cap_text("; ".join(skipped), 300))
+        return bool(bad)
+    t0 = time.monotonic()
+    outcome = rerun(items)
+    took = time.monotonic() - t0
+    log(f"re-ran {[i['key'] for i in items]} in {took:.1f} s")
+    done = {d.get("key"): d for d in outcome.get("reruns", []) if isinstance(d, dict)} \
+        if isinstance(outcome.get("reruns"), list) else {}
+    marked, forged = bool(bad), []
+    for i, item in enumerate(items):
+        key, steps = item["key"], item["steps"]
+        error = done.get(key, {}).get("error") if key in done else \
+            f"the re-run did not report ({cap_text(str(outcome.get('status')), 40)})"
+        if error:
+            runs[key] = {**runs[key], "implausible": ["the grader's re-run of this run failed, so its numbers "
+                                                      "count for nothing"]}
+            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed; the re-run "
+                                "failed (its output is in the instructor's log), so that run's points are withheld")
+            log(f"{key}: {error}")
+            marked = True
+            continue
+        verdict, why = compare(step_losses(job / "work", Path(key)),
+                               step_losses(job, Path(REVERIFY_DIR) / f"r{i}"), steps)
+        if verdict == DIFFERS:
+            forged.append(f"{key} ({why})")
+        elif verdict == UNVERIFIED:
+            runs[key] = {**runs[key], "implausible": [f"the grader's re-run of this run could not be held to it "
+                                                      f"({why}), so its numbers count for nothing"]}
+            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed but could not "
+                                f"compare: {why}; that run's points are withheld (log a loss at least every "
+                                f"{MAX_RERUN_STEPS} steps: log_every)")
+            log(f"{key}: unverified: {why}")
+            marked = True
+        else:
+            result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed: its losses "
+                                f"are the run's own (verified; re-running took {took:.0f} s)")
+    if forged:
+        why = cap_text("; ".join(forged), 400)
+        for key in list(runs):
+            if isinstance(runs[key], dict):
+                runs[key] = {**runs[key], "implausible": [f"a run of this notebook does not match the grader's re-run "
+                                                          f"of it ({why}): no run's event files are trusted"]}
+        result.notes.append(f"the grader re-ran runs of this notebook with this grading's seed and got other losses: "
+                            f"{why}. Event files that a real run of this notebook did not write count for nothing; "
+                            "this submission is flagged for the instructor")
+        log(f"FLAGGED: {why}")
+        marked = True
+    return marked
+
+
+__all__ = ["REVERIFY_DIR", "runs_behind_points", "eligible", "plan", "rerun_steps", "rerun_all", "step_losses",
+           "compare", "hold"]

@@ -3,18 +3,24 @@
     <hub>/services/dashboard/            every student: server (state, node, job), each lab's self-check progress,
                                          grades once collected and graded
     <hub>/services/dashboard/api/class   the same, as JSON
+    <hub>/services/dashboard/api/warm    POST, instructors only: start every (or each listed) student's server with
+                                         the course's default profile (`scalelab.hub.warm`; the page's button)
+    <hub>/services/dashboard/leaderboard the capstone's board, api/leaderboard, api/inject: `scalelab.hub.capstone`
 
 The hub starts it (`python -m scalelab.hub.dashboard`, settings `dashboard:`) and signs people in through OAuth. Only
 hub admins and the names in `dashboard.instructors` and `dashboard.tas` hold the scope
 `access:services!service=dashboard`; a student gets 403 from the hub before the page runs any code for them, and the
-page checks again. The service's own token may list users and read their servers, nothing else
-(`hub.config.DASHBOARD_SCOPES`).
+page checks again (with capstone.public students hold the scope too, and the page lets them read the board only).
+The service's own token may list users and read their servers, nothing else (`hub.config.DASHBOARD_SCOPES`).
 
 Teaching assistants (`dashboard.tas`) see the course's students (`course_students`: the class list less the staff)
 and nothing else: no admin, instructor or other TA, no hub user outside the class list, no admin flag. They may look,
 never act: every request of theirs but GET and HEAD gets 403 here, whatever handler it is for (an action added to
 this service later included), and the hub itself gives them no scope on other users (they are plain users there).
 A name listed both as a TA and as an instructor or admin is treated as the latter.
+
+In Slurm mode each student's row also shows the GPUs their server job holds, their utilisation and memory, and an
+idle flag (`scalelab.hub.gpu_usage`: Slurm's own numbers, or "stand-in GPU, not measured", never a made-up one).
 
 Progress is what SelfCheck would show the student: the lab's *public* checks run on the records saved in the
 student's copy of the lab (`<home>/<labs.dest>/<lab>/lab.ipynb`) and the evidence of the runs beside it. Homes are
@@ -37,8 +43,12 @@ from typing import Any
 
 from ..course.lab import NOTEBOOK, find_labs
 from ..paths import read_beneath
+from .capstone import handlers as capstone_handlers
+from .gpu_usage import describe as describe_gpu
+from .gpu_usage import gpu_rows, start_sampler
 from .provision import resolve_source
 from .settings import load_settings_from_env, student_home
+from .warm import WarmError, warm
 
 SERVICE = "dashboard"
 MAX_NOTEBOOK_BYTES = 16 * 2**20
@@ -180,19 +190,22 @@ def class_snapshot(cfg: dict, users: list[dict], role: str = "instructor") -> di
     source = resolve_source(cfg["labs"]["source"])
     labs = find_labs(source) if source else []
     jobs = slurm_jobs(cfg)
+    gpus = gpu_rows(cfg, jobs)  # every server job, so a TA's narrower view does not reset the others' idle times
     rows = []
     for user in sorted(users, key=lambda u: u.get("name", "")):
         name = user.get("name", "")
         server = (user.get("servers") or {}).get("") or {}
         where = ""
-        if server.get("url"):
+        if server.get("url"):  # a server's url is a path on today's hubs: the node is then its job's
             from urllib.parse import urlparse
             where = urlparse(server["url"]).hostname or ""
+        where = where or (jobs.get(name, {}).get("nodes", "") if server else "")
         state = "ready" if server.get("ready") else (server.get("pending") or "stopped") if server else "stopped"
         home = student_home(cfg, name)
         progress = {lab.name: lab_progress(home, cfg["labs"]["dest"], lab) for lab in labs} if home else {}
         rows.append({"name": name, "admin": bool(user.get("admin")), "server": state, "node": where,
                      "job": jobs.get(name, {}).get("job", ""), "last_activity": user.get("last_activity"),
+                     "gpu": gpus.get(name),
                      "progress": progress, "grades": grades_for(cfg["dashboard"]["grades"], [x.name for x in labs],
                                                                  name)})
     return {"course": cfg["course"]["name"], "labs": [lab.name for lab in labs], "students": rows,
@@ -205,8 +218,9 @@ td,th{border-bottom:1px solid #ddd;padding:.3rem .5rem;text-align:left}.done{col
 .ready{color:#176b2c}"""
 
 
-def render_page(snap: dict) -> str:
-    """The dashboard as one HTML page (every value escaped: names and states come from users)."""
+def render_page(snap: dict, warm_form: str = "") -> str:
+    """The dashboard as one HTML page (every value escaped: names and states come from users). `warm_form`: the
+    page's own XSRF field, given for instructors only: the warm button is drawn with it."""
     e = html.escape
     head = "".join(f"<th>{e(lab)}</th>" for lab in snap["labs"])
     rows = []
@@ -225,16 +239,41 @@ def render_page(snap: dict) -> str:
             cells.append(f'<td class="{e(cls)}" title="{e(p.get("state", ""))}">{text}</td>')
         server = e(s["server"]) + (f" on {e(s['node'])}" if s["node"] else "") + (f", job {e(s['job'])}"
                                                                                   if s["job"] else "")
+        gpu = s.get("gpu")
+        idle = " idle-gpu" if gpu and gpu.get("idle") else ""
         rows.append(f'<tr><td>{e(s["name"])}{" (admin)" if s["admin"] else ""}</td>'
-                    f'<td class="{e(s["server"])}">{server}</td>{"".join(cells)}</tr>')
+                    f'<td class="{e(s["server"])}">{server}</td><td class="gpu{idle}">{e(describe_gpu(gpu))}</td>'
+                    f'{"".join(cells)}</tr>')
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>Class dashboard: {e(snap['course'])}</title>"
             f"<style>{_STYLE}</style></head><body><h1>Class dashboard</h1><p>{e(snap['course'])}: "
             f"{len(snap['students'])} students, as of {e(snap['generated_at'])}. Progress is the lab's public "
             "self-checks on each student's saved notebook.</p>"
             + ("<p id='view'>Teaching assistant's view: the course's students only, read-only.</p>"
-               if snap.get("view") == "ta" else "") +
-            f"<table id='class'><thead><tr><th>student</th><th>server</th>{head}</tr></thead>"
+               if snap.get("view") == "ta" else "") + "<p><a href='leaderboard'>The capstone's leaderboard</a></p>"
+            + _warm_button(warm_form) +
+            f"<table id='class'><thead><tr><th>student</th><th>server</th><th>GPUs</th>{head}</tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></body></html>")
+
+
+def _warm_button(xsrf_field: str) -> str:
+    if not xsrf_field:
+        return ""
+    return ("<form id='warm' method='post' action='api/warm'>" + xsrf_field +
+            "<button type='submit'>Start every student's server</button> <small>with the course's default profile"
+            ", in the class reservation; running servers are left alone. Unopened servers are stopped by the idle "
+            "culler.</small></form>")
+
+
+def render_warm(answer: dict) -> str:
+    """The page an instructor sees after pressing the warm button: one line per student."""
+    e = html.escape
+    rows = "".join(f"<tr><td>{e(r['name'])}</td><td class='{e(r['outcome'].replace(' ', '-'))}'>{e(r['outcome'])}"
+                   f"</td><td>{e(r.get('detail', ''))}</td></tr>" for r in answer["results"])
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>Warm the class</title>"
+            f"<style>{_STYLE}</style></head><body><h1>Warm the class</h1><p>{len(answer['results'])} students, "
+            f"{answer['failed']} failed.</p><table id='warm-results'><thead><tr><th>student</th><th>server</th>"
+            f"<th>why</th></tr></thead><tbody>{rows}</tbody></table><p><a href='../'>Back to the dashboard</a></p>"
+            "</body></html>")
 
 
 # -- the service -----------------------------------------------------------------------------------------------
@@ -248,6 +287,7 @@ def make_app(cfg: dict):
 
     class Base(HubOAuthenticated, web.RequestHandler):
         role: str | None = None
+        for_students = False  # a handler a course student may read (the public capstone board); no other
         _asked = False
 
         def check_xsrf_cookie(self):
@@ -258,11 +298,14 @@ def make_app(cfg: dict):
                 self.current_user  # noqa: B018 - sets the hub's token-authenticated flag
             return super().check_xsrf_cookie()
 
-        async def snapshot(self) -> dict:
+        async def users(self) -> list[dict]:
             api = os.environ["JUPYTERHUB_API_URL"].rstrip("/")
             token = os.environ["JUPYTERHUB_API_TOKEN"]
             r = await AsyncHTTPClient().fetch(f"{api}/users", headers={"Authorization": f"token {token}"})
-            return await asyncio.to_thread(class_snapshot, cfg, json.loads(r.body), self.role or "instructor")
+            return json.loads(r.body)
+
+        async def snapshot(self) -> dict:
+            return await asyncio.to_thread(class_snapshot, cfg, await self.users(), self.role or "instructor")
 
         async def prepare(self):
             user = self.current_user
@@ -271,24 +314,61 @@ def make_app(cfg: dict):
             if user is None:  # an action by someone not signed in, or not allowed in (a student's token)
                 raise web.HTTPError(403, "the class dashboard is for the course's instructors")
             self.role = viewer_role(cfg, user)
+            if self.role is None and self.for_students and course_students(cfg, [user]):
+                self.role = "student"  # the public capstone board, read-only (below), and nothing else
             if self.role is None:
                 raise web.HTTPError(403, "the class dashboard is for the course's instructors")
-            if self.role == "ta" and self.request.method not in ("GET", "HEAD"):
-                # checked here, before any handler runs: an action added later is closed to TAs too
-                raise web.HTTPError(403, f"{user.get('name')} is a TA: the dashboard is read-only for TAs",
-                                    reason="Forbidden: teaching assistants may look, not act")
+            if self.role in ("ta", "student") and self.request.method not in ("GET", "HEAD"):
+                # checked here, before any handler runs: an action added later is closed to TAs and students too
+                raise web.HTTPError(403, f"{user.get('name')} is a {self.role}: the dashboard is read-only for them",
+                                    reason=f"Forbidden: {'teaching assistants' if self.role == 'ta' else 'students'}"
+                                           " may look, not act")
 
     class Page(Base):
         @web.authenticated
         async def get(self):
             self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'")
-            self.finish(render_page(await self.snapshot()))
+            form = self.xsrf_form_html() if self.role == "instructor" else ""
+            self.finish(render_page(await self.snapshot(), form))
 
     class Api(Base):
         @web.authenticated
         async def get(self):
             self.set_header("Content-Type", "application/json")
             self.finish(json.dumps(await self.snapshot()))
+
+    class Warm(Base):
+        """POST api/warm: an instructor starts the class's servers (JSON {"users": [...]} or the page's button)."""
+
+        @web.authenticated
+        async def post(self):
+            if self.role != "instructor":  # prepare() already stopped TAs and students; never reached by them
+                raise web.HTTPError(403, "warming the class is for the course's instructors")
+            button = not self.request.headers.get("Content-Type", "").startswith("application/json")
+            try:
+                body = None if button else json.loads(self.request.body or b"null")
+            except ValueError:
+                raise web.HTTPError(400, "the body must be JSON: {\"users\": [\"ann\", ...]} or nothing")
+            students = course_students(cfg, await self.users())
+            api, token = os.environ["JUPYTERHUB_API_URL"], os.environ["JUPYTERHUB_API_TOKEN"]
+            try:
+                answer = await asyncio.to_thread(warm, cfg, students, api, token, body)
+            except WarmError as e:
+                raise web.HTTPError(400, str(e), reason="Bad warm request") from None
+            print(f"dashboard: {self.current_user.get('name')} warmed the class: "
+                  f"{[(r['name'], r['outcome']) for r in answer['results']]}", flush=True)
+            if button:
+                self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'")
+                self.finish(render_warm(answer))
+            else:
+                self.set_header("Content-Type", "application/json")
+                self.finish(json.dumps(answer))
+
+        def write_error(self, status_code, **kwargs):
+            exc = kwargs.get("exc_info", (None, None))[1]
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"status": status_code, "message": getattr(exc, "log_message", None)
+                                    or self._reason}))
 
     class Missing(Base):
         """Any other path under the service: 404 to readers, and a TA's action there meets the gate (403) first."""
@@ -299,7 +379,8 @@ def make_app(cfg: dict):
 
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{SERVICE}/")
     return web.Application([
-        (prefix, Page), (url_path_join(prefix, "api/class"), Api),
+        (prefix, Page), (url_path_join(prefix, "api/class"), Api), (url_path_join(prefix, "api/warm"), Warm),
+        *((url_path_join(prefix, path), handler) for path, handler in capstone_handlers(Base, cfg, course_students)),
         (url_path_join(prefix, "oauth_callback"), HubOAuthCallbackHandler),
         (url_path_join(prefix, ".*"), Missing),  # last: the routes above win
     ], cookie_secret=os.urandom(32), xsrf_cookies=True)
@@ -313,7 +394,10 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))
     url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
-    app = make_app(load_settings_from_env())
+    cfg = load_settings_from_env()
+    app = make_app(cfg)
+    if cfg["mode"] == "slurm":  # the idle flags rest on a reading every minute, whether anyone looks or not
+        start_sampler(cfg, lambda: slurm_jobs(cfg))
     app.listen(url.port, url.hostname)
     IOLoop.current().start()
 

@@ -28,7 +28,8 @@ ENV_OVERRIDES = "SCALELAB_HUB_OVERRIDES"
 
 #: Settings holding a path that is resolved against the directory of the file setting it ("" and "auto" stay).
 PATH_KEYS = (("hub", "state_dir"), ("hub", "config_d"), ("labs", "source"), ("slurm", "conf"),
-             ("servers", "python_bin"), ("auth", "roster"), ("dashboard", "grades"))
+             ("servers", "python_bin"), ("auth", "roster"), ("dashboard", "grades"), ("capstone", "inject_file"),
+             ("capstone", "pseudonym_key_file"))
 
 
 class SettingsError(ScalelabError, ValueError):
@@ -213,6 +214,25 @@ def cross_checks(cfg: Mapping) -> list[str]:
     if cfg.get("slurm", {}).get("poll_max", 5) < cfg.get("slurm", {}).get("poll_min", 0.5):
         problems.append("slurm.poll_max: must be at least slurm.poll_min")
     problems += check_trusted_proxies(cfg.get("hub", {}).get("trusted_proxies", []))
+    problems += capstone_checks(cfg)
+    return problems
+
+
+def capstone_checks(cfg: Mapping) -> list[str]:
+    """The capstone's settings against the rest: a public board needs the dashboard, and no student may write the
+    spool file or read the pseudonyms' secret (neither may be in the folder students' homes are made in)."""
+    cap, problems = cfg.get("capstone", {}), []
+    if cap.get("public") and not cfg.get("dashboard", {}).get("enabled", True):
+        problems.append("capstone.public: true shows the board on the class dashboard, which is off "
+                        "(dashboard.enabled: false); turn the dashboard on, or set capstone.public: false")
+    homes = cfg.get("servers", {}).get("home", "").replace("{state_dir}", cfg.get("hub", {}).get("state_dir", ""))
+    root = homes.split("{username}")[0].rstrip("/")
+    for key in ("inject_file", "pseudonym_key_file"):
+        value = cap.get(key) or ""
+        if root and value and (value + "/").startswith(root + "/"):
+            problems.append(f"capstone.{key}: {value!r} is inside the students' homes ({root}/, servers.home): a "
+                            f"student could write or read it there; put it in a folder only the hub's account may "
+                            f"write, e.g. /var/lib/scalelab/")
     return problems
 
 

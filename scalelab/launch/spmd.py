@@ -123,6 +123,13 @@ class SpmdPool:
             p.wait()
         self.procs = []
 
+    def _a_rank_may_still_show(self, job) -> bool:
+        """Whether a rank that has not reported an error may yet show the root cause (it is still running)."""
+        if self.launcher != "local":
+            return True  # one launcher process: its ranks cannot be told apart
+        return any(p.poll() is None and not (self.dir / f"error-{job}-{r}.json").exists()
+                   for r, p in enumerate(self.procs))
+
     def __enter__(self):
         return self
 
@@ -145,7 +152,7 @@ class SpmdPool:
                 failure = _first_failure(self.procs, self.world, d, i, per_rank=self.launcher == "local")
                 if failure and failure[2]:  # only "my peer went away": the rank that died may not be reaped yet
                     peer_seen = peer_seen or time.monotonic()
-                    if time.monotonic() - peer_seen < PEER_GRACE_S:
+                    if time.monotonic() - peer_seen < PEER_GRACE_S and self._a_rank_may_still_show(i):
                         failure = None
                 if failure:
                     raise RunFailed(failure[1], rank=failure[0], run_dir=str(d))

@@ -177,6 +177,9 @@ class OptimSpec:
     """kfac: steps between refreshes of the factors' running averages."""
     kfac_inv_every: int = 10
     """kfac: steps between eigendecompositions of the factors (the expensive part)."""
+    kfac_factor: str = "dense"
+    """kfac: how a layer's Kronecker factor is formed from its rows (inputs, output gradients): dense (rows^T rows
+    / n), or module:function of your own, f(rows) -> the (d, d) factor, run on every rank (lab 09)."""
     kfac_kl_clip: float = 0.001
     """kfac: scale the preconditioned step down so lr^2 * v.g stays under this (0: no clipping)."""
     kfac_grad_worker_fraction: float = 1.0
@@ -224,6 +227,9 @@ class FaultSpec:
     """Only on this node index (SLURM_NODEID / torchrun's GROUP_RANK; -1: wherever `rank` runs)."""
     slow_s: float = 0.5
     """Extra seconds per step for kind slow."""
+    phase: str = "step"
+    """Where kind slow's extra seconds land: step (before the step, outside the rank's own step_s), data (in its
+    batch fetch: its data_s) or compute (before its forward: its compute_s). Other kinds ignore it."""
     detect_timeout_s: float = 120.0
     """How long a rank waits in a collective for a silent peer before it gives up (the process-group timeout):
     a hung rank is detected after this."""

@@ -107,6 +107,25 @@ class Run:
         self.poll()
         return self._reader.all[since:]
 
+    def follow(self, kind: str | None = None, poll_s: float = 0.05, timeout: float | None = None):
+        """Yield the run's events (of type `kind`, or all) as they are written, until the run has ended and every
+        event is read; `timeout` (seconds) ends the wait with TimeoutError. For code that acts on a run while it
+        runs: an HPO objective reporting each `eval` event to its pruner, a monitor."""
+        seen, deadline = 0, None if timeout is None else time.monotonic() + timeout
+        while True:
+            ended = self.poll() not in ACTIVE
+            new = self.events(since=seen)
+            seen += len(new)
+            for event in new:
+                if kind is None or event.get("type") == kind:
+                    yield event
+            if ended and not new:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.run_dir} still running after {timeout:g} s")
+            if not new:
+                time.sleep(poll_s)
+
     def logs(self, rank: int | None = None, tail: int | None = None) -> str:
         """A rank's output (stdout and stderr), or the launcher's own with rank=None; `tail` lines at most."""
         path = self.run_dir / "logs" / (f"rank-{rank}.log" if rank is not None else "launcher.log")

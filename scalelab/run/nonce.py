@@ -33,10 +33,15 @@ def nonce() -> str | None:
 def init_seed(seed: int) -> int:
     """The seed of initial weights and data order: `seed` itself outside a grading, else a mix of it and the nonce
     (below 2**31, which every RNG here accepts)."""
-    n = nonce()
-    if n is None:
+    return mix_seed(seed, nonce())
+
+
+def mix_seed(seed: int, grading_nonce: str | None) -> int:
+    """`seed` mixed with a grading's nonce (`seed` itself for None): what `init_seed` gives inside that grading,
+    and what a hidden check recomputes from the grading's nonce."""
+    if grading_nonce is None:
         return seed
-    digest = hashlib.sha256(f"{n}:{int(seed)}".encode()).digest()
+    digest = hashlib.sha256(f"{grading_nonce}:{int(seed)}".encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFF_FFFF
 
 
@@ -46,4 +51,4 @@ def reverify_steps() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-__all__ = ["NONCE_VAR", "REVERIFY_VAR", "nonce", "init_seed", "reverify_steps"]
+__all__ = ["NONCE_VAR", "REVERIFY_VAR", "nonce", "init_seed", "mix_seed", "reverify_steps"]

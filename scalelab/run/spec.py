@@ -76,6 +76,8 @@ class RunSpec:
     """Where spec.json, events/, logs/ and checkpoints go; empty: runs/<name>-<time> under the cwd."""
     log_every: int = 1
     """Write a step event every N steps."""
+    eval_every: int = 0
+    """Measure held-out accuracy every N steps and write an `eval` event (step, accuracy); 0: only at the end."""
 
     # -- construction -------------------------------------------------------------------------
     def replace(self, **changes) -> "RunSpec":

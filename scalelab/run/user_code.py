@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import LaunchError
 
 CODE_DIR = "code"
-CODE_FIELDS = ("optim.schedule", "optim.comm_hook", "pipeline.schedule")
+CODE_FIELDS = ("optim.schedule", "optim.comm_hook", "optim.kfac_factor", "pipeline.schedule")
 """The spec fields that may name code of the student's own."""
 
 

@@ -30,6 +30,7 @@ DATA_FORMATS = ("memory", "files", "shards", "hdf5")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("none", "raise", "exit", "kill", "hang", "slow")
 RECOVERIES = ("fail", "forward")
+FAULT_PHASES = ("step", "data", "compute")
 SIGNALS = re.compile(r"^$|^(USR1|USR2|TERM|INT|HUP)@\d{1,5}$")
 MALLOC_POLICIES = ("retain", "system")
 WAITS = ("auto", "spin", "block")
@@ -143,6 +144,7 @@ RULES = {
     "optim.min_lr_fraction": (float, _bounded_float(0.0, 1.0)),
     "optim.poly_power": (float, _positive_float),
     "optim.comm_hook": (str, _choice_or_code(COMM_HOOKS)),
+    "optim.kfac_factor": (str, _choice_or_code(("dense",))),
     "optim.comm_ratio": (float, _bounded_float(1e-6, 1.0)),
     "optim.comm_error_feedback": (bool, None),
     "optim.comm_rank": (int, _int_at_least(1, 64)),
@@ -177,6 +179,7 @@ RULES = {
     "fault.step": (int, _int_at_least(0)),
     "fault.node": (int, _int_at_least(-1)),
     "fault.slow_s": (float, _bounded_float(0.0, 3600.0)),
+    "fault.phase": (str, _choice(FAULT_PHASES)),
     "fault.detect_timeout_s": (float, _bounded_float(1.0, 86_400.0)),
     "fault.recovery": (str, _choice(RECOVERIES)),
     "fsdp.sharding": (str, _choice(SHARDINGS)),
@@ -198,6 +201,7 @@ RULES = {
     "seed": (int, _int_at_least(0, 2**31 - 1)),
     "output_dir": (str, None),
     "log_every": (int, _int_at_least(1)),
+    "eval_every": (int, _int_at_least(0)),
 }
 
 

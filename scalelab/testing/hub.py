@@ -67,10 +67,11 @@ class HubUser:
         """The server's model, or None when the hub lists no such server."""
         return self.model().get("servers", {}).get(server)
 
-    def run_cell(self, code: str, server: str = "", timeout: float = 240) -> str:
+    def run_cell(self, code: str, server: str = "", timeout: float = 240, keep_kernel: bool = False) -> str:
         """Execute `code` in a new kernel of the user's server, as a notebook cell would (kernel REST API and its
         websocket, through the proxy); returns the cell's output streams; AssertionError with the traceback when
-        the cell raises. The kernel is shut down afterwards."""
+        the cell raises. The kernel is shut down afterwards, unless `keep_kernel` (a run the cell launched lives as
+        long as its kernel)."""
         import uuid
 
         import websocket  # websocket-client, a dependency of jupyter_server
@@ -103,7 +104,8 @@ class HubUser:
             raise AssertionError(f"the cell did not finish in {timeout:g} s; its output: {''.join(out)[-2000:]}")
         finally:
             ws.close()
-            requests.delete(f"{self.hub.url}{base}/{kernel}", headers=auth, timeout=30)
+            if not keep_kernel:
+                requests.delete(f"{self.hub.url}{base}/{kernel}", headers=auth, timeout=30)
 
     def wait_ready(self, server: str = "", timeout: float = 120) -> float:
         """Seconds until the server is ready, waited for as the browser's spawn page waits: on the hub's progress

@@ -3,6 +3,12 @@
 A `FaultSpec` names the rank (or a whole node: rank -1), the step and the kind. The fault fires once, in the
 first attempt only: a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) or a relaunch that resumed past the step
 does not fail again, so a recovered run can finish.
+
+Kind slow (a straggler) sleeps `slow_s` every step from `step` on, in the phase `fault.phase` names: step (before
+the step, outside its step_s: only the other ranks' waits show it), data (in the rank's batch fetch: its data_s) or
+compute (before its forward: its compute_s). The last two are what a root-cause exercise reads back from the step
+events (experiments/root_cause.py); `phase_delay` gives the loop a sleeper for them, or None so a run without one
+pays nothing.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ def maybe_inject(fault, rank: int, step: int, events=None) -> None:
     if not targets(fault, rank):
         return
     if fault.kind == "slow":
-        if step >= fault.step:  # a straggler: every step from `step` on is late
+        if fault.phase == "step" and step >= fault.step:  # a straggler: every step from `step` on is late
             time.sleep(fault.slow_s)
         return
     if fault.step != step:
@@ -55,4 +61,16 @@ def maybe_inject(fault, rank: int, step: int, events=None) -> None:
         time.sleep(3600)
 
 
-__all__ = ["maybe_inject", "targets", "node_index", "first_attempt"]
+def phase_delay(fault, rank: int, phase: str):
+    """For a slow fault in `phase` (data or compute) aimed at this rank: a function of the step that sleeps
+    `slow_s` from `fault.step` on; None otherwise, so the loop's check costs one test of None."""
+    if fault.kind != "slow" or fault.phase != phase or not targets(fault, rank):
+        return None
+
+    def delay(step: int) -> None:
+        if step >= fault.step:
+            time.sleep(fault.slow_s)
+    return delay
+
+
+__all__ = ["maybe_inject", "phase_delay", "targets", "node_index", "first_attempt"]

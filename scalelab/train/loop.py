@@ -20,9 +20,10 @@ from ..data.batches import resumable_batches
 from ..data.loader import build_eval_set
 from ..data.stored import training_dataset
 from ..dist import threads_per_rank
-from .faults import maybe_inject
+from .faults import maybe_inject, phase_delay
 from .forward import ForwardRecoveryDDP
 from .hostmem import apply_malloc_policy
+from .inject_hook import instructor_injection
 from ..run.nonce import init_seed, reverify_steps
 from ..run.user_code import code_hashes
 from .comm_hooks import WireCounter
@@ -96,9 +97,14 @@ def train(spec, info, events) -> dict:
     loss_value = float("nan")
     preemption = Preemption(spec.checkpoint.on_signal)  # SIGTERM/SIGUSR1 -> emergency checkpoint, clean exit
     profiler.start(start_step)
+    # a straggler in one phase (fault.phase data / compute): None for every other run, so the steps pay nothing
+    slow_data, slow_compute = phase_delay(spec.fault, info.rank, "data"), phase_delay(spec.fault, info.rank, "compute")
     stop = min(total_steps, start_step + (reverify_steps() or total_steps))  # a grader's re-run: its first steps
+    instructor = instructor_injection(spec, info)  # $SCALELAB_INJECT_FILE: the capstone's live kill or preemption
     for step in range(start_step, stop):
         maybe_inject(spec.fault, info.rank, step, events)
+        if instructor:
+            instructor(step, events)
         lr = lr_of(spec.optim, step, peak_lr, total_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -114,7 +120,11 @@ def train(spec, info, events) -> dict:
             t_data = time.perf_counter()
             with profiler.phase("data"):
                 x, y = next(batches)
+                if slow_data and micro == 0:
+                    slow_data(step)
             data_s += time.perf_counter() - t_data
+            if slow_compute and micro == 0:  # a slow forward: in this rank's compute_s, whatever the strategy
+                slow_compute(step)
             if getattr(strategy, "pipelined", False):  # the schedule runs the micro-batches' forwards and backwards
                 loss_sum += strategy.forward_backward(model, x, y, accum)
                 continue
@@ -144,6 +154,8 @@ def train(spec, info, events) -> dict:
                         data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
                         samples_per_s=batch * accum / step_s, **throughput.fields(batch * accum, step_s),
                         **(wire.take() if wire else {}))
+        if spec.eval_every and done % spec.eval_every == 0 and done < total_steps:  # every rank: a collective
+            events.emit("eval", step=done, accuracy=_evaluate(raw_model, spec, info, device, autocast, strategy))
         saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps
         if saved:
             _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)
