@@ -20,9 +20,10 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
+from .asynchronous import started_pool
 from .manifest import atomic_write, read_manifest, record, verify
 from .private import private_dir
 from .sync import capture, load_checkpoint, write_checkpoint
@@ -59,7 +60,7 @@ class MultiLevelCheckpointer:
             private_dir(Path(local_dir).parent)
         self.directory, self.local_dir = Path(directory), private_dir(local_dir)
         self.keep_last, self.keep_best, self.writer = keep_last, keep_best, writer
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scalelab-flush") if writer else None
+        self._pool = started_pool("scalelab-flush") if writer else None
         self._pending: list[tuple[int, float, Future]] = []
 
     def save(self, step: int, model, optimizer, metric: float | None = None, extra: dict | None = None) -> dict:

@@ -21,13 +21,13 @@ import shutil
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .asynchronous import HostSnapshot
+from .asynchronous import HostSnapshot, started_pool
 from .manifest import CheckpointError, checksum_file, fsync_dir, latest, record, verify
 
 
@@ -56,7 +56,8 @@ class ShardedCheckpointer:
         self._group = dist.new_group(backend="gloo") if distributed else None  # collective: all ranks call it
         self._no_dist = not distributed
         self._pending = None  # (finalised event, step) of the save in flight
-        self._writer, self._snapshot = None, None  # made at the first asynchronous save
+        # async: the writer's thread runs before training starts (started_pool), not inside the first save
+        self._writer, self._snapshot = (started_pool("ckpt-sharded-write"), HostSnapshot()) if async_save else (None, None)
         self._staging = None  # (staging future, step) the optimizer's next step must wait for
         self._update_wait: dict[int, float] = {}
         self._hooks: dict[int, object] = {}
@@ -104,7 +105,7 @@ class ShardedCheckpointer:
         else:  # the same tensors as DCP's state dict, found in a fraction of the time
             size = _state_bytes([model.state_dict(), optimizer.state_dict()["state"]])
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sharded-write")
+            self._writer = started_pool("ckpt-sharded-write")
             self._snapshot = HostSnapshot()
         staged: Future = Future()
         self._staging = (staged, step)
