@@ -206,7 +206,7 @@ record("kill_test", {"run_dir": "runs/lab06/kill", "code": {"my_ckpt.py": "0" * 
                      "steps": 20, "killed_in_save": True, "save_ok": True, "restore_ok": True, "resume_ok": True,
                      "save_problems": [], "restore_problems": [], "resume_problems": []})
 record("lab06_params", {"workers": workers, "every": every, "steps": 20, "modes": ["sync", "async", "sharded"],
-                        "resume_steps": 16, "stop_after": 10, "slice_steps": 24})
+                        "resume_steps": 16, "stop_after": 10, "slice_steps": 28})
 record("anatomy", {"files": ["step-4.pt", "step-8.pt.tmp"], "latest": "step-4.pt",
                    "partial_error": "step-8.pt.tmp may be partial", "corrupt_error": "step-4.pt is corrupted",
                    "corrupt_file": "runs/lab06/anatomy/step-4.pt"})
