@@ -234,7 +234,7 @@ record("retention_history", retention)
 record("my_kept", sorted({h["step"] for h in retention[-2:]} |
                          {h["step"] for h in sorted(retention, key=lambda h: h["metric"])[:2]}))
 record("slices", {"attempts": [{"status": "timeout", "start_step": 0, "last_step": 10, "elapsed_s": 10.0},
-                               {"status": "succeeded", "start_step": 8, "last_step": 24, "elapsed_s": 9.0}],
+                               {"status": "succeeded", "start_step": 8, "last_step": 28, "elapsed_s": 9.0}],
                   "identical": True, "run_dir": "runs/lab06/slices"})
 if EVENTS:
     for m, b in blocked.items():
@@ -244,7 +244,7 @@ if EVENTS:
     fake_run("runs/lab06/resumed", world=workers, losses=whole[8:], every=every, start_step=8)
     fake_run("runs/lab06/keep", losses=losses[:17], every=every)
     fake_run("runs/lab06/slices", losses=losses[:10], every=every)
-    fake_run("runs/lab06/slices", losses=(losses * 2)[8:24], every=every, start_step=8)
+    fake_run("runs/lab06/slices", losses=(losses * 2)[8:28], every=every, start_step=8)
 '''
 
 LAB03 = '''
