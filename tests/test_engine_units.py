@@ -135,14 +135,25 @@ def _cli(*args, timeout=180):
                           timeout=timeout)
 
 
-def test_cli_run_json_prints_the_summary(tmp_path):
-    r = _cli("run", "--preset", "tiny", "--workers", "2", "--strategy", "ddp", "--json", "--out", str(tmp_path / "r"))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: the flag was once refused while --set trained it
+def test_cli_run_json_prints_the_summary(tmp_path, strategy):
+    r = _cli("run", "--preset", "tiny", "--workers", "2", "--strategy", strategy, "--json", "--out", str(tmp_path / "r"))
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.splitlines()[-1])  # the JSON is the last line of stdout
     assert "20/20" in r.stderr  # and progress went to stderr all the same
     assert {"status", "world_size", "samples_per_s", "steps", "final_loss"} <= summary.keys()
     assert summary["status"] == "succeeded" and summary["world_size"] == 2 and summary["steps"] == 20
-    assert summary["samples_per_s"] > 0
+    assert summary["strategy"] == strategy and summary["samples_per_s"] > 0
+
+
+def test_cli_choices_are_the_engines():
+    """`scalelab run` offers every strategy and launcher the engine validates, and no other (issue 37)."""
+    from scalelab.cli import build_parser
+    from scalelab.run.validate import LAUNCHERS, STRATEGIES
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    choices = {a.dest: tuple(a.choices) for a in run._actions if a.choices}
+    assert choices["strategy"] == STRATEGIES and choices["launcher"] == LAUNCHERS
+    assert {"fsdp", "pp", "tp", "3d"} <= set(STRATEGIES) and "srun" in LAUNCHERS
 
 
 def test_cli_run_shows_progress_and_a_summary_table(tmp_path):

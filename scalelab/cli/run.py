@@ -2,6 +2,7 @@
 
     scalelab run --preset tiny --workers 2 --strategy ddp
     scalelab run --preset tiny --workers 2 --strategy horovod --launcher mpirun
+    scalelab run --preset tiny --workers 2 --strategy fsdp
     scalelab run --preset tiny --workers 2 --launcher slurm --set slurm.partition=cpu
     scalelab run --spec my.yaml --set optim.lr=0.1 --json
 """
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import RunFailed, ScalelabError
+from ..run.validate import LAUNCHERS, STRATEGIES
 
 JSON_KEYS = ("status", "world_size", "samples_per_s", "steps", "final_loss", "eval_accuracy", "strategy",
              "launcher", "elapsed_s", "per_rank_samples_per_s", "time_fraction", "comm_in_flight", "run_dir", "error",
@@ -28,9 +30,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--spec", help="a RunSpec JSON/YAML file (instead of --preset)")
     p.add_argument("--workers", type=int, help="ranks per node (world.workers_per_node)")
     p.add_argument("--nodes", type=int, help="nodes (world.nodes; slurm launcher)")
-    p.add_argument("--strategy", choices=("ddp", "horovod"), help="data-parallel strategy")
-    p.add_argument("--launcher", choices=("local", "torchrun", "horovodrun", "mpirun", "slurm"),
-                   help="how ranks start (default: local for ddp, horovodrun for horovod)")
+    # the engine's own allowed values (run/validate.py), so the command line never lags what the engine runs
+    p.add_argument("--strategy", choices=STRATEGIES,
+                   help="how ranks share the work: ddp and horovod (data parallel), fsdp (sharded), pp (pipeline), "
+                        "tp (tensor), 3d (tp x pp x dp)")
+    p.add_argument("--launcher", choices=LAUNCHERS,
+                   help="how ranks start (default: local, or horovodrun for horovod); slurm submits a batch job, "
+                        "srun starts the ranks inside an allocation you hold")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any field, e.g. --set optim.lr=0.1 --set data.samples=2048 (repeatable)")
     p.add_argument("--out", help="run directory (output_dir); default runs/<name>-<time>-<pid>, always a new one")
