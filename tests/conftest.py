@@ -18,6 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 PY = sys.executable
+# every run a test starts holds its events to the declaration (scalelab/run/event_types.py): an undeclared event
+# type or field fails that run, and with it the test
+os.environ.setdefault("SCALELAB_STRICT_EVENTS", "1")
 
 
 def require(ok: bool, what: str, fix: str) -> None:

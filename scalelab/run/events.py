@@ -2,7 +2,7 @@
 
 A worker appends one JSON object per line to `<run dir>/events/rank-<r>.jsonl` and flushes each line, so
 readers on any node that sees the directory can follow a run started by a widget, a terminal or sbatch.
-Event types: start, step, checkpoint, end, error.
+What each line may hold (every event type and its fields) is declared in scalelab/run/event_types.py.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from .event_types import check, strict
 from .nonce import nonce
 
 
@@ -28,6 +29,7 @@ class EventWriter:
         self.rank = rank
         self.path = d / f"rank-{rank}.jsonl"
         self._f = open(self.path, "a", buffering=1)
+        self._strict = strict()  # the test suite: an undeclared type or field fails the run that wrote it
 
     def emit(self, type_: str, **fields) -> None:
         """Write one event with its type, rank and wall-clock time; a start event also gets the grading's nonce
@@ -35,6 +37,8 @@ class EventWriter:
         if type_ == "start":
             fields.setdefault("nonce", nonce())
         record = {"type": type_, "rank": self.rank, "t": time.time(), **fields}
+        if self._strict:
+            check(record)
         self._f.write(json.dumps(record, default=_plain) + "\n")
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from ..errors import RunFailed, RunTimeout
+from .event_types import EVENTS
 from .events import EventReader
 from .metrics import summarize
 from .procs import PEER_GRACE_S, alive, kill_processes
@@ -102,10 +103,14 @@ class Run:
             self._state = state
         return self._state
 
-    def events(self, since: int = 0) -> list[dict]:
-        """Events read so far, from index `since` (poll first for the newest)."""
+    def events(self, since: int = 0, type: str | None = None, rank: int | None = None) -> list[dict]:  # noqa: A002
+        """Events read so far, from index `since` (poll first for the newest); only those of one `type` (a name
+        in scalelab.run.event_types.EVENTS) and/or one `rank` when given. `since` counts all events, unfiltered."""
         self.poll()
-        return self._reader.all[since:]
+        if type is not None and type not in EVENTS:
+            raise ValueError(f"events(type={type!r}): no such event type; the engine writes {', '.join(EVENTS)}")
+        return [e for e in self._reader.all[since:]
+                if (type is None or e.get("type") == type) and (rank is None or e.get("rank") == rank)]
 
     def follow(self, kind: str | None = None, poll_s: float = 0.05, timeout: float | None = None):
         """Yield the run's events (of type `kind`, or all) as they are written, until the run has ended and every
