@@ -22,7 +22,7 @@ from .asynchronous import AsyncCheckpointer
 from .manifest import CheckpointError, best, read_manifest, verify
 from .multilevel import MultiLevelCheckpointer, default_local_dir
 from .sharded import ShardedCheckpointer, load_sharded
-from .sync import SyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
+from .sync import Checkpointer, SyncCheckpointer, latest_checkpoint, load_checkpoint, save_checkpoint
 
 MODES = ("sync", "async", "sharded", "multilevel")
 
@@ -49,5 +49,5 @@ def load_any(path, model, optimizer=None) -> int:
 
 
 __all__ = ["CheckpointError", "MODES", "build_checkpointer", "load_any", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint", "read_manifest", "verify", "best", "SyncCheckpointer", "AsyncCheckpointer",
+           "save_checkpoint", "read_manifest", "verify", "best", "Checkpointer", "SyncCheckpointer", "AsyncCheckpointer",
            "ShardedCheckpointer", "load_sharded", "MultiLevelCheckpointer", "default_local_dir"]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from .manifest import CheckpointError, latest
-from .sync import capture, checkpoint_name, load_checkpoint, write_checkpoint
+from .manifest import CheckpointError
+from .sync import Checkpointer, capture, checkpoint_name, write_checkpoint
 
 
 def started_pool(prefix: str) -> ThreadPoolExecutor:
@@ -66,7 +66,7 @@ class HostSnapshot:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(Checkpointer):
     """Snapshot to host memory, write on a background thread; at most `max_in_flight` unwritten.
 
     overlap=True (the default) does not even copy on the training thread: the copy runs on a helper thread
@@ -185,15 +185,6 @@ class AsyncCheckpointer:
     def in_flight(self) -> int:
         """Saves snapshotted but not yet on disk."""
         return sum(1 for f, _, _ in self._inflight if not f.done())
-
-    def latest(self) -> Path | None:
-        """The newest checkpoint that is completely on disk, or None."""
-        return latest(self.directory)
-
-    def restore(self, model, optimizer, path=None) -> int:
-        """Load the newest complete checkpoint (or `path`); 0 when there is none."""
-        path = path or self.latest()
-        return load_checkpoint(path, model, optimizer) if path else 0
 
     def close(self) -> list[dict]:
         """Wait for every flush; returns those not yet reported; raises the first failure."""

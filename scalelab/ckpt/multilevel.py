@@ -26,7 +26,7 @@ from pathlib import Path
 from .asynchronous import started_pool
 from .manifest import atomic_write, read_manifest, record, verify
 from .private import private_dir
-from .sync import capture, load_checkpoint, write_checkpoint
+from .sync import Checkpointer, capture, write_checkpoint
 
 
 def node_local_base() -> Path:
@@ -47,7 +47,7 @@ def default_local_dir(run_dir) -> Path:
     return node_local_base() / f"scalelab-ckpt-u{os.geteuid()}" / hashlib.sha1(ident.encode()).hexdigest()[:12]
 
 
-class MultiLevelCheckpointer:
+class MultiLevelCheckpointer(Checkpointer):
     """Rank 0 writes to the node-local tier now and copies to the shared tier in the background."""
 
     mode = "multilevel"
@@ -121,11 +121,6 @@ class MultiLevelCheckpointer:
             dist.all_gather_object(everyone, sorted(steps))
             steps = set.intersection(*(set(s) for s in everyone))
         return found[max(steps)] if steps else None
-
-    def restore(self, model, optimizer, path=None) -> int:
-        """Load the checkpoint `latest()` picks (or `path`); the step to continue from, 0 if there is none."""
-        path = path or self.latest()
-        return load_checkpoint(path, model, optimizer) if path else 0
 
     def close(self) -> list[dict]:
         """Wait for every copy to the shared tier; report them."""

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .asynchronous import HostSnapshot, started_pool
+from .sync import Checkpointer
 from .manifest import CheckpointError, checksum_file, fsync_dir, latest, record, verify
 
 
@@ -42,7 +43,7 @@ def sharded_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-class ShardedCheckpointer:
+class ShardedCheckpointer(Checkpointer):
     """Collective checkpoints: every rank must call `save` and `restore` at the same steps."""
 
     mode = "sharded"
@@ -225,10 +226,6 @@ class ShardedCheckpointer:
         return done
 
     # -- resuming -------------------------------------------------------------------------------------
-    def latest(self) -> Path | None:
-        """The newest complete sharded checkpoint, or None."""
-        return latest(self.directory)
-
     def restore(self, model, optimizer, path=None) -> int:
         """Load the newest complete checkpoint (or `path`) into model and optimizer; 0 when there is none."""
         path = Path(path) if path else self.latest()

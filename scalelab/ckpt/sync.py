@@ -85,7 +85,40 @@ def load_checkpoint(path, model, optimizer=None) -> int:
     return int(state["step"])
 
 
-class SyncCheckpointer:
+class Checkpointer:
+    """What the training loop asks of every checkpoint mode, with the defaults of a mode whose save is complete when
+    it returns. A mode implements `save` and overrides what differs: `completed` and `close` for writes that finish
+    later, `latest` and `restore` for checkpoints that are not one file in `directory`'s manifest."""
+
+    mode = ""
+    needs_barrier = True
+    """Whether the loop holds every rank at a barrier after a save (nobody runs ahead of an incomplete one)."""
+
+    directory: Path
+
+    def save(self, step: int, model, optimizer, metric: float | None = None, extra: dict | None = None) -> dict:
+        """Save (or start saving) after `step`; returns at least step, blocked_s, path and bytes."""
+        raise NotImplementedError(f"{type(self).__name__} must implement save()")
+
+    def completed(self) -> list[dict]:
+        """Writes that became complete on disk since the last call (none pending by default)."""
+        return []
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return latest(self.directory)
+
+    def restore(self, model, optimizer, path=None) -> int:
+        """Load the newest complete checkpoint (or `path`); the step to continue from, 0 if there is none."""
+        path = path or self.latest()
+        return load_checkpoint(path, model, optimizer) if path else 0
+
+    def close(self) -> list[dict]:
+        """Finish what is in flight; returns the writes not yet reported (nothing is in flight by default)."""
+        return []
+
+
+class SyncCheckpointer(Checkpointer):
     """Rank 0 writes the whole checkpoint while training waits; other ranks do nothing (the loop's barrier
     keeps them from running ahead of a checkpoint that is not complete)."""
 
@@ -104,23 +137,6 @@ class SyncCheckpointer:
                                       self.keep_best, metric, delete_later=True)
         return {"step": step, "blocked_s": time.perf_counter() - t0, "path": str(path), "bytes": size}
 
-    def completed(self) -> list[dict]:
-        """Flushes finished since the last call (a sync save is finished when save returns: none pending)."""
-        return []
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        return latest(self.directory)
-
-    def restore(self, model, optimizer, path=None) -> int:
-        """Load the newest complete checkpoint (or `path`); the step to continue from, 0 if there is none."""
-        path = path or self.latest()
-        return load_checkpoint(path, model, optimizer) if path else 0
-
-    def close(self) -> list[dict]:
-        """Nothing is in flight."""
-        return []
-
-
-__all__ = ["CheckpointError", "SyncCheckpointer", "capture", "checkpoint_name", "write_checkpoint",
+__all__ = ["CheckpointError", "Checkpointer", "SyncCheckpointer", "capture", "checkpoint_name", "write_checkpoint",
            "save_checkpoint", "latest_checkpoint", "load_checkpoint", "read_manifest"]

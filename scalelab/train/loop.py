@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..ckpt import build_checkpointer
 from ..data import build_dataset, build_loader
 from ..data.batches import resumable_batches
 from ..data.loader import build_eval_set
@@ -59,23 +58,20 @@ def train(spec, info, events) -> dict:
     scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
 
     raw_model = model
-    sharded_state = spec.strategy in ("fsdp", "tp", "pp", "3d")  # wrap shards the state: restore into the shards
-    if sharded_state:
+    if strategy.shards_state:  # wrap shards the state: a resume restores into the shards
         model, optimizer = strategy.wrap(model, optimizer)
-    ckpt_dir = run_dir / "checkpoints"  # a mesh's ranks each write their own part (train/mesh.py)
-    checkpointer = (strategy.checkpointer(spec.checkpoint, ckpt_dir) if hasattr(strategy, "checkpointer")
-                    else build_checkpointer(spec.checkpoint, ckpt_dir, info.rank, info.world_size))
+    checkpointer = strategy.checkpointer(spec.checkpoint, run_dir / "checkpoints")  # a mesh: one part per rank
     start_step, resumed_from = 0, None
     if spec.checkpoint.resume and (found := checkpointer.latest()):
         start_step = checkpointer.restore(model, optimizer, found)
         resumed_from = str(found)
-    if not sharded_state:
+    if not strategy.shards_state:
         model, optimizer = strategy.wrap(model, optimizer)
 
     accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
     train_set = training_dataset(dataset, spec.data, run_dir / "data", spec.seed)  # on disk unless format=memory
     # the pipeline stages and tensor-parallel shards of one replica see the same batches (train/mesh.py)
-    dp_rank, dp_world = getattr(strategy, "data_parallel", (info.rank, info.world_size))
+    dp_rank, dp_world = strategy.data_parallel
     loader = build_loader(train_set, spec.data, batch, dp_rank, dp_world, spec.seed)
     steps_per_epoch = len(loader) // accum
     total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
@@ -125,7 +121,7 @@ def train(spec, info, events) -> dict:
             data_s += time.perf_counter() - t_data
             if slow_compute and micro == 0:  # a slow forward: in this rank's compute_s, whatever the strategy
                 slow_compute(step)
-            if getattr(strategy, "pipelined", False):  # the schedule runs the micro-batches' forwards and backwards
+            if strategy.pipelined:  # the schedule runs the micro-batches' forwards and backwards
                 loss_sum += strategy.forward_backward(model, x, y, accum)
                 continue
             sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
@@ -155,7 +151,7 @@ def train(spec, info, events) -> dict:
                         samples_per_s=batch * accum / step_s, **throughput.fields(batch * accum, step_s),
                         **(wire.take() if wire else {}))
         if spec.eval_every and done % spec.eval_every == 0 and done < total_steps:  # every rank: a collective
-            events.emit("eval", step=done, accuracy=_evaluate(raw_model, spec, info, device, autocast, strategy))
+            events.emit("eval", step=done, accuracy=_evaluate(raw_model, spec, device, autocast, strategy))
         saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps
         if saved:
             _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)
@@ -175,7 +171,7 @@ def train(spec, info, events) -> dict:
         return end
     _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
     final_loss = strategy.mean(loss_value)
-    accuracy = _evaluate(raw_model, spec, info, device, autocast, strategy)
+    accuracy = _evaluate(raw_model, spec, device, autocast, strategy)
     full_state = strategy.full_state_dict(raw_model)  # FSDP gathers the shards: every rank takes part
     if info.is_main:
         torch.save(full_state, run_dir / "model.pt")
@@ -225,14 +221,7 @@ def _report_flushes(done: list[dict], events) -> None:
 
 
 @torch.no_grad()
-def _evaluate(model, spec, info, device, autocast, strategy) -> float:
-    """Accuracy on a held-out set, split over ranks and averaged."""
+def _evaluate(model, spec, device, autocast, strategy) -> float:
+    """Accuracy on a held-out set, split over ranks (or a mesh's replicas) by the strategy and averaged."""
     x, y = build_eval_set(spec.data, spec.seed)
-    if hasattr(strategy, "evaluate"):  # a mesh: each replica's part through its stages and shards
-        return strategy.evaluate(model, x.to(device), y.to(device))
-    x, y = x[info.rank::info.world_size].to(device), y[info.rank::info.world_size].to(device)
-    model.eval()
-    with autocast:
-        correct = (model(x).argmax(dim=1) == y).float().mean().item() if len(y) else 0.0
-    model.train()
-    return strategy.mean(correct)
+    return strategy.evaluate(model, x.to(device), y.to(device), autocast)

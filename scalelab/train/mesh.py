@@ -56,6 +56,7 @@ class MeshStrategy(PartitionedModelStrategy):
     """Strategies tp, pp and 3d: this rank's shard of its stage of the model, gradients averaged over dp."""
 
     wait = "none"
+    shards_state = True  # each rank holds its stage's shard: a resume restores into the wrapped model
 
     def __init__(self, spec, info, device, base):
         self.spec, self.info, self.device, self.base = spec, info, device, base
@@ -147,7 +148,7 @@ class MeshStrategy(PartitionedModelStrategy):
         return t
 
     @torch.no_grad()
-    def evaluate(self, model, x, y) -> float:
+    def evaluate(self, model, x, y, autocast=None) -> float:
         """Accuracy on this replica's part of (x, y) through its stages, averaged over the replicas."""
         x, y = x[self.d::self.dp], y[self.d::self.dp]
         model.eval()

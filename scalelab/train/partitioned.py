@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 
+from .strategy import Strategy
 
-class PartitionedModelStrategy:
+
+class PartitionedModelStrategy(Strategy):
     """The training-loop hooks that are the same when every rank holds a different part of the model."""
 
     base = None

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..dist import set_socket_interface, threads_per_rank
 from ..run.combinations import gloo_cannot_run
+from .strategy import Strategy
 
 
 def pick_device(spec, local_rank: int) -> torch.device:
@@ -86,7 +87,7 @@ def resolve_wait(spec, info, host_collectives: bool) -> str:
     return "spin" if info.local_size * threads_per_rank(spec, info.local_size) <= usable_cpus() else "block"
 
 
-class DDPStrategy:
+class DDPStrategy(Strategy):
     """torch.distributed + DistributedDataParallel; communication timed by a bucket comm hook."""
 
     name = "ddp"
@@ -208,7 +209,7 @@ def _timed_allreduce_hook(state: DDPStrategy, bucket):
     return fut.then(done)
 
 
-class HorovodStrategy:
+class HorovodStrategy(Strategy):
     """Horovod's DistributedOptimizer; communication timed at `synchronize()` (the exposed wait)."""
 
     name = "horovod"
@@ -322,6 +323,7 @@ class FSDPStrategy(DDPStrategy):
     """FSDP2 over a 1-D mesh of all ranks (or a (W, 1) mesh for sharding=none); the process group is DDP's."""
 
     name = "fsdp"
+    shards_state = True
 
     def wrap(self, model, optimizer):
         """Shard the model in place; the optimizer then steps the sharded parameters (DTensors)."""
