@@ -54,7 +54,10 @@ def __dir__():
 
 # Modules as they were named before the library was arranged in wings (docs/architecture.md). Student copies
 # and submissions made from earlier releases import these names; each resolves to the module that now holds the
-# same code, so old notebooks still run and grade. New code imports the new names.
+# same code, so old notebooks still run and grade, with a FutureWarning naming the new module. New code imports the
+# new names (tests/test_architecture.py fails on an old name anywhere but tests/fixtures/legacy); the names go in
+# the release LEGACY_REMOVED_IN.
+LEGACY_REMOVED_IN = "0.3.0"
 LEGACY_MODULES = {
     "scalelab.spec": "scalelab.run.spec",
     "scalelab.validate": "scalelab.run.validate",
@@ -87,7 +90,11 @@ class _LegacyAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         # importlib hands back whatever sys.modules holds after exec: the new module, with its own __spec__ intact
-        sys.modules[module.__name__] = importlib.import_module(LEGACY_MODULES[module.__name__])
+        old, new = module.__name__, LEGACY_MODULES[module.__name__]
+        import warnings
+        warnings.warn(f"{old} is the old name of {new}: import {new} instead ({old} goes in scalelab "
+                      f"{LEGACY_REMOVED_IN})", FutureWarning, stacklevel=2)
+        sys.modules[old] = importlib.import_module(new)
 
 
 if not any(isinstance(f, _LegacyAlias) for f in sys.meta_path):

@@ -7,6 +7,9 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -189,12 +192,52 @@ def test_modules_named_before_the_move_are_the_same_modules_now():
     import importlib
 
     import scalelab
-    for old, new in scalelab.LEGACY_MODULES.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-        assert importlib.import_module(new).__spec__.name == new  # the alias does not rename the real module
-    from scalelab.spec import LAUNCHERS, preset  # noqa: F401  (names a pre-move lab imported)
-    from scalelab.launch.spmd import SpmdPool  # noqa: F401
-    from scalelab.ckpt import measure, read_manifest  # noqa: F401
-    from scalelab.data import measure as data_measure  # noqa: F401
+    with pytest.warns(FutureWarning):  # (those not imported earlier in this process warn here; see the next test)
+        for old, new in scalelab.LEGACY_MODULES.items():
+            assert importlib.import_module(old) is importlib.import_module(new), old
+            assert importlib.import_module(new).__spec__.name == new  # the alias does not rename the real module
+        from scalelab.spec import LAUNCHERS, preset  # noqa: F401  (names a pre-move lab imported)
+        from scalelab.launch.spmd import SpmdPool  # noqa: F401
+        from scalelab.ckpt import measure, read_manifest  # noqa: F401
+        from scalelab.data import measure as data_measure  # noqa: F401
+        warnings.warn("at least one", FutureWarning)  # pytest.warns needs one even if every alias was loaded before
     assert measure.__name__ == "scalelab.experiments.checkpointing"
     assert data_measure.__name__ == "scalelab.experiments.data_pipeline"
+
+
+def test_an_old_module_name_warns_with_the_new_name_and_the_release_that_removes_it():
+    import scalelab
+    code = "import scalelab.spec\nfrom scalelab.data import measure\n"
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for old, new in (("scalelab.spec", "scalelab.run.spec"), ("scalelab.data.measure", "scalelab.experiments.data_pipeline")):
+        assert (f"FutureWarning: {old} is the old name of {new}: import {new} instead ({old} goes in scalelab "
+                f"{scalelab.LEGACY_REMOVED_IN})") in out.stderr, out.stderr
+    assert scalelab.LEGACY_REMOVED_IN in (ROOT / "docs" / "architecture.md").read_text(), \
+        "docs/architecture.md must name the release that removes the old names"
+
+
+def test_nothing_but_the_legacy_fixtures_imports_an_old_module_name():
+    import scalelab
+    olds = sorted(scalelab.LEGACY_MODULES, key=len, reverse=True)
+    dotted = re.compile(r"(?:from|import)\s+(" + "|".join(map(re.escape, olds)) + r")\b")
+    parents: dict[str, set] = {}
+    for old in olds:
+        parent, leaf = old.rsplit(".", 1)
+        parents.setdefault(parent, set()).add(leaf)
+    from_parent = re.compile(r"from[ \t]+(" + "|".join(map(re.escape, parents)) + r")[ \t]+import[ \t]+"
+                             r"(?:\(([^)]*)\)|([\w ,\t]+))")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    allowed = ("tests/fixtures/legacy/", "tests/test_architecture.py")  # what they test is the old names
+    found = []
+    for name in files:
+        if name.startswith(allowed) or not name.endswith((".py", ".ipynb", ".md", ".sh", ".j2")):
+            continue
+        text = (ROOT / name).read_text(errors="replace")
+        found += [f"{name}: {m.group(0)}" for m in dotted.finditer(text)]
+        for m in from_parent.finditer(text):
+            names = {n.strip().split(" as ")[0] for n in (m.group(2) or m.group(3)).replace("\n", ",").split(",")}
+            found += [f"{name}: from {m.group(1)} import {leaf}" for leaf in names & parents[m.group(1)]]
+    assert len(files) > 300, "git ls-files found too few files: is this a checkout?"
+    assert found == [], "old module names (scalelab.LEGACY_MODULES) outside the legacy fixtures:\n" + "\n".join(found)
