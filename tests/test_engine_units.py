@@ -262,3 +262,24 @@ def test_wire_counter_counts_collectives_from_any_thread_with_the_ring_model():
     finally:
         counter.uninstall()
         dist.all_reduce = original
+
+
+def test_mpirun_command_lines_are_written_once():
+    """launch/commands.py builds every mpirun command line (the mpirun launcher, Horovod in an allocation and in a
+    batch script, the SPMD pool): the root rule and the core-sharing options live there only (issue 37)."""
+    import os
+    from pathlib import Path
+
+    from scalelab.launch.commands import mpirun_args
+    pkg = Path(__file__).resolve().parent.parent / "scalelab"
+    elsewhere = [str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
+                 if p.name != "commands.py" and ("--allow-run-as-root" in p.read_text()
+                                                 or "mpi_yield_when_idle" in p.read_text())]
+    assert elsewhere == [], f"mpirun options written outside launch/commands.py: {elsewhere}"
+    cmd = mpirun_args(4, ("MASTER_ADDR",), exe="mpirun", interface="lo", per_node=2, shared_cores=True,
+                      hostfile="hosts")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    assert cmd == ["mpirun", "-np", "4", "--npernode", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+                   "btl_tcp_if_include", "lo", "--mca", "mpi_yield_when_idle", "1", *root, "--hostfile", "hosts",
+                   "-x", "MASTER_ADDR"]
+    assert mpirun_args(2, exe="mpirun")[:5] == ["mpirun", "-np", "2", "--bind-to", "none"]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .asynchronous import HostSnapshot, started_pool
 from .sync import Checkpointer
-from .manifest import CheckpointError, checksum_file, fsync_dir, latest, record, verify
+from .manifest import CheckpointError, checksum_file, fsync_dir, record, verify
 
 
 def _dcp():

@@ -27,6 +27,7 @@ from ..cluster.slurm import allocation, slurm_command, slurm_env
 from ..run.procs import scrub_env
 from ..run.combinations import horovod_elastic
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
+from .commands import horovodrun_local_args
 from ..errors import LaunchError
 from ..paths import require_tool
 
@@ -109,11 +110,9 @@ def write_discovery_script(spec, run_dir: Path, env: dict | None = None) -> Path
 def horovodrun_command(spec, run_dir, script: Path | None = None) -> list[str]:
     """`horovodrun -np N -H localhost:N --gloo python -m scalelab.train.worker ...`, or its elastic form
     (`script`: the host discovery script) when the spec asks for Horovod elastic."""
-    n = spec.world.workers_per_node
-    exe = require_tool("horovodrun", LaunchError)
     if script is None:
-        return [exe, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--network-interfaces", "lo",
-                *worker_command(run_dir)]
+        return [*horovodrun_local_args(spec.world.workers_per_node), *worker_command(run_dir)]
+    exe = require_tool("horovodrun", LaunchError)
     w = spec.world
     cmd = [exe, "-np", str(spec.world_size), "--min-np", str(w.min_workers or 1), "--max-np", str(spec.world_size),
            "--host-discovery-script", str(script), "--reset-limit", str(w.max_restarts),

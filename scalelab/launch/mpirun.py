@@ -1,13 +1,11 @@
 """mpirun: Open MPI starts the ranks; Horovod then uses its MPI controller, DDP reads OMPI_COMM_WORLD_*."""
 from __future__ import annotations
 
-import os
 import re
 
 from ..run.procs import free_port, scrub_env
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
-from ..errors import LaunchError
-from ..paths import require_tool
+from .commands import RANK_VARS, mpirun_args
 
 # Open MPI: "mpirun noticed that process rank 1 with PID 123 on node x exited on signal 9 (Killed)."
 #           "Primary job  terminated normally, but 1 process returned a non-zero exit code ... rank 1"
@@ -26,18 +24,8 @@ class MpirunRun(ProcessRun):
 
 def mpirun_command(spec, run_dir, port: int, hostfile: str | None = None) -> list[str]:
     """`mpirun -np N ... python -m scalelab.train.worker ...`, root-safe and without core binding (ranks share cores)."""
-    exe = require_tool("mpirun", LaunchError)
-    cmd = [exe, "-np", str(spec.world_size), "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include",
-           "lo" if spec.world.nodes == 1 else "^lo,docker0",
-           # ranks share cores: a rank waiting in MPI (Horovod's controller) must yield, not busy-poll, or it
-           # slows its peers' start-up and steps 1.3-2x on a 2-core machine
-           "--mca", "mpi_yield_when_idle", "1"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    if hostfile:
-        cmd += ["--hostfile", hostfile]
-    for var in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PATH", "PYTHONPATH"):
-        cmd += ["-x", var]
+    cmd = mpirun_args(spec.world_size, RANK_VARS, interface="lo" if spec.world.nodes == 1 else "^lo,docker0",
+                      shared_cores=True, hostfile=hostfile)
     return cmd + worker_command(run_dir)
 
 

@@ -7,7 +7,6 @@ share with the submitting host (home or scratch on a cluster; anywhere on the lo
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -21,6 +20,7 @@ from ..run.handle import Run
 from ..run.procs import scrub_env
 from . import requeue, srun
 from .base import prepare_run_dir, start_process, threads_for, worker_command
+from .commands import mpirun_args
 
 # srun: "srun: error: node1: task 1: Exited with exit code 1" / "srun: error: node1: task 1: Killed"
 _FAILED_TASK = re.compile(r"task (\d+): (Exited with exit code \d+|Killed|Terminated|Segmentation fault)")
@@ -55,9 +55,8 @@ def batch_script(spec, run_dir: Path, python: str | None = None) -> str:
     worker = " ".join(shlex.quote(part) for part in worker_command(run_dir, python))
     if spec.strategy == "horovod":
         # Open MPI reads the allocation and starts its daemons through Slurm; Horovod uses the MPI controller.
-        root = " --allow-run-as-root" if os.geteuid() == 0 else ""
-        lines.append(f"mpirun -np {spec.world_size} --bind-to none{root} -x MASTER_ADDR -x MASTER_PORT "
-                     f"-x OMP_NUM_THREADS {worker}")
+        mpirun = mpirun_args(spec.world_size, ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"), exe="mpirun")
+        lines.append(f"{' '.join(mpirun)} {worker}")
     else:
         # --kill-on-bad-exit: one failed rank ends the step at once instead of leaving the others in allreduce
         lines.append(f"srun --kill-on-bad-exit=1 --cpu-bind=none {worker}")

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from ..errors import LaunchError, RunFailed, RunTimeout
 from ..run.procs import PEER_GRACE_S, describe_exit, is_peer_failure, kill_processes, scrub_env
-from ..paths import require_tool
 from .base import start_process
+from .commands import horovodrun_local_args, mpirun_args
 from .local import start_ranks
 from .spmd_rank import write_atomic
 
@@ -191,18 +191,10 @@ def _start(launcher, world, run_dir, base, threads, extra_vars):
     if launcher == "local":  # a rendezvous of the pool's own: its port held for rank 0, and a secret
         return start_ranks(cmd, base, world, threads, lambda r: run_dir / f"launcher-rank-{r}.log")
     if launcher == "horovodrun":
-        exe = require_tool("horovodrun", LaunchError)
-        full = [exe, "-np", str(world), "-H", f"localhost:{world}", "--gloo", "--network-interfaces", "lo", *cmd]
-    else:
-        exe = require_tool("mpirun", LaunchError)
-        # ranks share cores here: waiting ranks must yield the CPU, not busy-poll (it slows a peer's imports 2-3x)
-        full = [exe, "-np", str(world), "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo",
-                "--mca", "mpi_yield_when_idle", "1"]
-        if os.geteuid() == 0:
-            full.append("--allow-run-as-root")
-        for var in ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", *extra_vars):  # mpirun forwards only these
-            full += ["-x", var]
-        full += cmd
+        full = [*horovodrun_local_args(world), *cmd]
+    else:  # ranks share cores here: waiting ranks must yield the CPU, not busy-poll (it slows a peer's imports 2-3x)
+        full = [*mpirun_args(world, ("OMP_NUM_THREADS", "PATH", "PYTHONPATH", *extra_vars), interface="lo",
+                             shared_cores=True), *cmd]
     return [start_process(full, base, run_dir / "launcher.log")]
 
 

@@ -24,6 +24,7 @@ from ..paths import require_tool
 from ..run.procs import DISTRIBUTED_PREFIXES, DISTRIBUTED_VARS
 from ..run.rendezvous import SECRET_VAR, new_secret
 from .base import ProcessRun, prepare_run_dir, start_process, threads_for, worker_command
+from .commands import RANK_VARS, mpirun_args
 
 # srun: "srun: error: node2: task 1: Exited with exit code 1"; Open MPI: "process rank 1 with PID"
 _FAILED = re.compile(r"(?:(\S+): )?task (\d+): (?:Exited|Killed|Terminated|Segmentation)|process rank (\d+) with PID")
@@ -77,13 +78,7 @@ def step_command(spec, run_dir, python: str | None = None) -> list[str]:
     w = spec.world
     worker = worker_command(run_dir, python)
     if spec.strategy == "horovod":
-        cmd = [require_tool("mpirun", LaunchError), "-np", str(spec.world_size), "--npernode",
-               str(w.workers_per_node), "--bind-to", "none"]
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-        for var in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PATH", "PYTHONPATH"):
-            cmd += ["-x", var]
-        return cmd + worker
+        return mpirun_args(spec.world_size, RANK_VARS, per_node=w.workers_per_node) + worker
     return [require_tool("srun", LaunchError), f"--nodes={w.nodes}", f"--ntasks={spec.world_size}",
             f"--ntasks-per-node={w.workers_per_node}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1",
             "--cpu-bind=none",
