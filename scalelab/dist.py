@@ -60,9 +60,19 @@ def get_rank() -> int:
     return rank_info().rank
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity: a Slurm allocation, a cgroup, taskset), else all of them: the
+    one count of CPUs the engine, its launchers and the labs share (os.cpu_count() is the machine's, which a job
+    given 4 of a node's 64 cores must not divide among its ranks)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 def threads_per_rank(spec, ranks_on_node: int) -> int:
-    """Intra-op threads per rank: the spec's, or this node's CPUs shared among its ranks."""
-    return spec.world.threads_per_worker or max(1, (os.cpu_count() or 1) // ranks_on_node)
+    """Intra-op threads per rank: the spec's, or this process's usable CPUs shared among the node's ranks."""
+    return spec.world.threads_per_worker or max(1, usable_cpus() // ranks_on_node)
 
 
 def get_world_size() -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..dist import usable_cpus
 from ..train.kfac import KFAC
 
 
@@ -237,7 +238,7 @@ def step_times_on_ranks(spec, rows: list[dict], ranks: list[int], out_dir, steps
     and step_s (`engine_step_s` of its events). A row that never reached the target needs no step time: it is
     skipped."""
     from ..launch import launch
-    processes = processes or max(1, min(4, os.cpu_count() or 1))
+    processes = processes or max(1, min(4, usable_cpus()))
     todo = []
     for row in rows:
         if not row["reached"]:

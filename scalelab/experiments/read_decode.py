@@ -14,7 +14,6 @@ core: on a busy machine the measurement says what the cores left give.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data.spread import GlobalIndex, SpreadReader
+from ..dist import usable_cpus
 from ..data.store import ThrottledStore
 
 
@@ -74,7 +74,7 @@ def balance_threads(out, total: int = 4, samples: int = 128, latency_s: float = 
     rows = [{"read_threads": r, "decode_threads": d, **_pipeline(reader, index.meta, ids, r, d, decoders)}
             for r, d in splits]
     best = max(rows, key=lambda row: row["samples_per_s"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpus()
     for row in rows:
         row["model_samples_per_s"] = 1000 * min(row["read_threads"] / read_ms,
                                                 min(row["decode_threads"], cores) / decode_ms)

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..dist import usable_cpus
 from ..errors import LaunchError, RunFailed, RunTimeout
 from ..run.procs import PEER_GRACE_S, describe_exit, is_peer_failure, kill_processes, scrub_env
 from .base import start_process
@@ -69,7 +70,7 @@ class SpmdPool:
         """`start_timeout`: seconds the first job may take on top of its own timeout, for the ranks to start."""
         _check_args(world, launcher, init)
         self.world, self.launcher, self.init, self.env = world, launcher, init, dict(env or {})
-        self.threads = threads or max(1, (os.cpu_count() or 1) // world)
+        self.threads = threads or max(1, usable_cpus() // world)
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="scalelab-spmd-")).resolve()
         self.start_timeout = start_timeout
         self.procs: list = []

@@ -14,7 +14,6 @@ answer is {run: {"accuracy": {step or "final": fraction correct}, "error": why n
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -94,7 +93,8 @@ def _score(model, x, y) -> float:
 def main(argv: list[str]) -> int:
     request = json.loads(Path(argv[0]).read_text())
     import torch
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    from ..dist import usable_cpus
+    torch.set_num_threads(max(1, min(2, usable_cpus())))
     x, y = heldout_set(request["heldout"])
     answer = {"runs": {}}
     for run in request["runs"]:

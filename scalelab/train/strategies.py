@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import set_socket_interface, threads_per_rank
+from ..dist import set_socket_interface, threads_per_rank, usable_cpus
 from ..run.combinations import gloo_cannot_run
 from .strategy import Strategy
 
@@ -59,14 +59,6 @@ def pick_backend(spec, device: torch.device, local_size: int = 1) -> str:
         print(f"scalelab: {local_size} ranks share this node's {gpus} GPU(s): backend gloo (NCCL needs a GPU per "
               "rank)", file=sys.stderr, flush=True)
     return backend
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity: a Slurm allocation, a cgroup, taskset), else all of them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
 
 
 def resolve_wait(spec, info, host_collectives: bool) -> str:
