@@ -6,6 +6,10 @@ optional (a resumed run, a GPU, a Horovod elastic run or a lab's own step each w
 carry a field that is not declared here for its type. EventWriter.emit holds every event to this when the
 environment sets SCALELAB_STRICT_EVENTS=1 (the test suite does, for every run it starts), and a test holds every
 `emit` call in the code to it (tests/test_event_types.py). A new event or field is declared here first.
+
+Not the engine's stream, and not held to this: lab 05's spread-rank experiment (experiments/spread_rank.py) writes
+its own read log (start, read, epoch) in the same file layout with its own writer; lab 01's timer log and the kill
+experiments' exit records are files of their own.
 """
 from __future__ import annotations
 
