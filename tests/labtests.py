@@ -203,6 +203,28 @@ def assert_full_marks_within(lab_dir: Path, reference: tuple[dict, float], budge
     assert seconds < budget_s, f"{lab_dir.name} took {seconds:.0f} s under papermill; the budget is {budget_s:g} s"
 
 
+def lab_test_module(name: str):
+    """What every tests/test_labNN_<topic>.py shares, as the module binds it:
+
+        LAB, pytestmark, reference, test_reference_solution_grades_full_marks_within_budget = lab_test_module("06_x")
+
+    LAB (the lab's folder), pytestmark (slow), the module fixture `reference` (this run's one grading of the lab:
+    in the sandbox, at lab.yaml's grading parameters, under load; the records and evidence its reference's checks
+    ran on, and the seconds it ran) and the test that it grades full marks within the lab's time budget."""
+    import pytest
+    lab = ROOT / "labs" / name
+    assert lab.is_dir(), f"no lab folder {lab}"
+
+    @pytest.fixture(scope="module")
+    def reference(lab_gradings):
+        return lab_gradings.reference(lab)
+
+    def test_reference_solution_grades_full_marks_within_budget(reference):
+        assert_full_marks_within(lab, reference)
+
+    return lab, pytest.mark.slow, reference, test_reference_solution_grades_full_marks_within_budget
+
+
 def assert_stops_at_first_exercise(gradings, lab: Path, recorded: str, not_yet: str, share: float) -> dict:
     """The released student copy, as graded, stops being right at its first exercise: no hidden checks were released
     with it, that cell raised NotImplementedError, `recorded` was recorded by then and `not_yet` not, and what was

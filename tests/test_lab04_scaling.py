@@ -9,22 +9,13 @@ import os
 
 import pytest
 
-from labtests import (ROOT, assert_check_notices, assert_full_marks_within, assert_wrong_code_loses, grade,
-                      grading_parameters, replace_block, working_copy, wrong_solutions)
+from labtests import (assert_check_notices, assert_wrong_code_loses, grade, grading_parameters, lab_test_module,
+                     replace_block, working_copy, wrong_solutions)
 
-LAB = ROOT / "labs" / "04_scaling"
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def reference(lab_gradings):
-    """The run's one grading of this lab (tests/labtests.py: in the sandbox, at lab.yaml's grading parameters,
-    under load): the records and evidence its reference's checks ran on, and the seconds it ran."""
-    return lab_gradings.reference(LAB)
-
-
-def test_reference_solution_grades_full_marks_within_budget(reference):
-    assert_full_marks_within(LAB, reference)
+# the template every lab test module shares (labtests.lab_test_module): its folder, the slow mark, the
+# `reference` fixture (this run's one grading of the lab) and the full-marks-within-budget test
+LAB, pytestmark, reference, test_reference_solution_grades_full_marks_within_budget = \
+    lab_test_module("04_scaling")
 
 
 def test_reference_numbers_tell_the_lab_story(reference):
