@@ -9,7 +9,9 @@ import contextlib
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +35,75 @@ from .optim import build_optimizer, lr_of, scaled_lr
 from .preempt import Preemption
 from .profiling import StepProfiler
 from .strategies import build_strategy, pick_device
+from .strategy import Strategy
+
+
+@dataclass
+class _Rank:
+    """What one rank's training holds from its set-up to its end: train() and its steps read it."""
+
+    spec: Any
+    info: Any
+    events: Any
+    device: torch.device
+    strategy: Strategy
+    raw_model: torch.nn.Module  # the model as built: evaluated, checkpointed and saved
+    model: Any  # the model as the strategy trains it (wrapped)
+    optimizer: Any
+    scaler: Any  # a GradScaler for fp16, else None
+    checkpointer: Any
+    profiler: StepProfiler
+    autocast: Any
+    batches: Any
+    throughput: Throughput
+    start_step: int
+    total_steps: int
+    peak_lr: float
+    wire: Any = None  # WireCounter: what each step handed to torch.distributed and sent
+    slow_data: Any = None  # a straggler in one phase (fault.phase data / compute), else None
+    slow_compute: Any = None
 
 
 def train(spec, info, events) -> dict:
     """Run `spec` as rank `info.rank`; returns the end event's fields."""
     started = time.perf_counter()
+    r = _set_up(spec, info, events)
+    loss_value = float("nan")
+    preemption = Preemption(spec.checkpoint.on_signal)  # SIGTERM/SIGUSR1 -> emergency checkpoint, clean exit
+    r.profiler.start(r.start_step)
+    stop = min(r.total_steps, r.start_step + (reverify_steps() or r.total_steps))  # a grader's re-run: its first steps
+    instructor = instructor_injection(spec, info)  # $SCALELAB_INJECT_FILE: the capstone's live kill or preemption
+    for step in range(r.start_step, stop):
+        maybe_inject(spec.fault, info.rank, step, events)
+        if instructor:
+            instructor(step, events)
+        loss_value = _step(r, step)
+        done = step + 1
+        if spec.eval_every and done % spec.eval_every == 0 and done < r.total_steps:  # every rank: a collective
+            events.emit("eval", step=done, accuracy=_evaluate(r))
+        saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < r.total_steps
+        if saved:
+            _checkpoint(r.checkpointer, r.strategy, r.raw_model, r.optimizer, done, loss_value, events)
+        _report_flushes(r.checkpointer.completed(), events)
+        if done < r.total_steps and preemption.agreed(r.strategy):  # every rank votes: all stop after the same step
+            return _preempted(r.checkpointer, r.strategy, r.raw_model, r.optimizer, done, loss_value, events,
+                              preemption.signal, already_saved=saved)
+
+    r.profiler.stop()
+    if r.wire:
+        r.wire.uninstall()
+    if stop < r.total_steps:  # a grader's re-run: it compares these steps' losses, nothing else of the run is needed
+        end = dict(steps=stop, final_loss=r.strategy.mean(loss_value), elapsed_s=time.perf_counter() - started,
+                   reverify=True)
+        events.emit("end", **end)
+        r.strategy.shutdown()
+        return end
+    return _finish(r, loss_value, started)
+
+
+def _set_up(spec, info, events) -> _Rank:
+    """This rank's device, strategy, model and optimizer (resumed from the newest checkpoint when the spec asks) and
+    its batches; then the start event."""
     malloc = apply_malloc_policy(spec.world.malloc)  # before the first large tensor
     threads = threads_per_rank(spec, info.local_size)
     torch.set_num_threads(threads)
@@ -47,36 +113,17 @@ def train(spec, info, events) -> dict:
     strategy = (ForwardRecoveryDDP if spec.fault.recovery == "forward" else build_strategy)(spec, info, device)
     strategy.setup()
     run_dir = Path(spec.output_dir)
-
     dataset = build_dataset(spec.data, spec.seed)
-    x0, _ = dataset[0]
-    classes = int(dataset.tensors[1].max()) + 1
-    # a grading's nonce changes the initial weights (run/nonce.py): copied or hand-written events cannot match them
-    model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, init_seed(spec.seed)).to(device)
-    peak_lr = scaled_lr(spec.optim, spec.global_batch)
-    optimizer = build_optimizer(spec.optim, model, peak_lr)
-    scaler = torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None
+    raw_model, model, optimizer, checkpointer, start_step, resumed_from, peak_lr = _model_and_state(
+        spec, strategy, dataset, device, run_dir)
 
-    raw_model = model
-    if strategy.shards_state:  # wrap shards the state: a resume restores into the shards
-        model, optimizer = strategy.wrap(model, optimizer)
-    checkpointer = strategy.checkpointer(spec.checkpoint, run_dir / "checkpoints")  # a mesh: one part per rank
-    start_step, resumed_from = 0, None
-    if spec.checkpoint.resume and (found := checkpointer.latest()):
-        start_step = checkpointer.restore(model, optimizer, found)
-        resumed_from = str(found)
-    if not strategy.shards_state:
-        model, optimizer = strategy.wrap(model, optimizer)
-
-    accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
+    accum = spec.optim.grad_accum
     train_set = training_dataset(dataset, spec.data, run_dir / "data", spec.seed)  # on disk unless format=memory
     # the pipeline stages and tensor-parallel shards of one replica see the same batches (train/mesh.py)
     dp_rank, dp_world = strategy.data_parallel
-    loader = build_loader(train_set, spec.data, batch, dp_rank, dp_world, spec.seed)
-    steps_per_epoch = len(loader) // accum
-    total_steps = spec.epochs * steps_per_epoch if spec.epochs else spec.steps
+    loader = build_loader(train_set, spec.data, spec.optim.batch_per_worker, dp_rank, dp_world, spec.seed)
+    total_steps = spec.epochs * (len(loader) // accum) if spec.epochs else spec.steps
     batches = resumable_batches(loader, start_step * accum, device)
-    autocast = _autocast(spec.precision, device)
     throughput = Throughput(raw_model, device, spec.precision, info.world_size // dp_world)  # gpt: tokens/s, MFU
 
     events.emit("start", world_size=info.world_size, local_rank=info.local_rank, rank_source=info.source,
@@ -87,99 +134,109 @@ def train(spec, info, events) -> dict:
                 resumed_from=resumed_from, global_batch=spec.global_batch, peak_lr=peak_lr,
                 parameters=sum(p.numel() for p in raw_model.parameters()), strategy=spec.strategy,
                 comm_hook=spec.optim.comm_hook, schedule=spec.optim.schedule, code=code_hashes(run_dir))
-    # what each step handed to torch.distributed and sent (ring model): the bytes behind a compression claim
-    wire = WireCounter().install() if info.world_size > 1 and spec.strategy != "horovod" else None
+    return _Rank(
+        spec=spec, info=info, events=events, device=device, strategy=strategy, raw_model=raw_model, model=model,
+        optimizer=optimizer, scaler=torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None,
+        checkpointer=checkpointer, profiler=profiler, autocast=_autocast(spec.precision, device), batches=batches,
+        throughput=throughput, start_step=start_step, total_steps=total_steps, peak_lr=peak_lr,
+        # the bytes behind a compression claim (ring model); Horovod moves its own
+        wire=WireCounter().install() if info.world_size > 1 and spec.strategy != "horovod" else None,
+        slow_data=phase_delay(spec.fault, info.rank, "data"),
+        slow_compute=phase_delay(spec.fault, info.rank, "compute"))
 
-    loss_value = float("nan")
-    preemption = Preemption(spec.checkpoint.on_signal)  # SIGTERM/SIGUSR1 -> emergency checkpoint, clean exit
-    profiler.start(start_step)
-    # a straggler in one phase (fault.phase data / compute): None for every other run, so the steps pay nothing
-    slow_data, slow_compute = phase_delay(spec.fault, info.rank, "data"), phase_delay(spec.fault, info.rank, "compute")
-    stop = min(total_steps, start_step + (reverify_steps() or total_steps))  # a grader's re-run: its first steps
-    instructor = instructor_injection(spec, info)  # $SCALELAB_INJECT_FILE: the capstone's live kill or preemption
-    for step in range(start_step, stop):
-        maybe_inject(spec.fault, info.rank, step, events)
-        if instructor:
-            instructor(step, events)
-        lr = lr_of(spec.optim, step, peak_lr, total_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if wire:
-            wire.take()  # from here to the step event
-        t0 = time.perf_counter()
-        data_s, loss_sum = 0.0, torch.zeros((), device=device)
-        # the first step's collectives are counted (every step issues the same ones); later steps run unobserved
-        counter = CommCounter() if step == start_step else contextlib.nullcontext()
-        activations = SavedTensorBytes()  # the activations one micro-batch's forward keeps for backward (first step)
-        counter.__enter__()
-        for micro in range(accum):
-            t_data = time.perf_counter()
-            with profiler.phase("data"):
-                x, y = next(batches)
-                if slow_data and micro == 0:
-                    slow_data(step)
-            data_s += time.perf_counter() - t_data
-            if slow_compute and micro == 0:  # a slow forward: in this rank's compute_s, whatever the strategy
-                slow_compute(step)
-            if strategy.pipelined:  # the schedule runs the micro-batches' forwards and backwards
-                loss_sum += strategy.forward_backward(model, x, y, accum)
-                continue
-            sync = strategy.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
-            with sync:
-                with autocast, activations if step == start_step and micro == 0 else contextlib.nullcontext(), \
-                        profiler.phase("forward"):
-                    loss = F.cross_entropy(model(x).float(), y) / accum
-                with profiler.phase("backward"):
-                    (scaler.scale(loss) if scaler else loss).backward()
-            loss_sum += loss.detach()
-        with profiler.phase("optimizer"):
-            strategy.step(optimizer, scaler)
-        counter.__exit__(None, None, None)
-        if step == start_step:  # what this rank holds once every state exists: gradients are freed next
-            events.emit("memory", step=step + 1, **state_bytes(raw_model, optimizer), rss_peak_bytes=rss_peak_bytes(),
-                        **device_peak(device), activation_bytes=activations.bytes, comm=counter.summary())
-        optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
-        loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
-        profiler.step()
-        step_s = time.perf_counter() - t0
-        comm_s = strategy.take_comm_time()
-        done = step + 1
-        if done % spec.log_every == 0 or done == total_steps:
-            exposed = comm_s if spec.strategy == "horovod" else 0.0  # DDP's buckets overlap backward
-            events.emit("step", step=done, loss=loss_value, lr=lr, samples=batch * accum, step_s=step_s,
-                        data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
-                        samples_per_s=batch * accum / step_s, **throughput.fields(batch * accum, step_s),
-                        **(wire.take() if wire else {}))
-        if spec.eval_every and done % spec.eval_every == 0 and done < total_steps:  # every rank: a collective
-            events.emit("eval", step=done, accuracy=_evaluate(raw_model, spec, device, autocast, strategy))
-        saved = spec.checkpoint.every_steps and done % spec.checkpoint.every_steps == 0 and done < total_steps
-        if saved:
-            _checkpoint(checkpointer, strategy, raw_model, optimizer, done, loss_value, events)
-        _report_flushes(checkpointer.completed(), events)
-        if done < total_steps and preemption.agreed(strategy):  # every rank votes: all stop after the same step
-            return _preempted(checkpointer, strategy, raw_model, optimizer, done, loss_value, events,
-                              preemption.signal, already_saved=saved)
 
-    profiler.stop()
-    if wire:
-        wire.uninstall()
-    if stop < total_steps:  # a grader's re-run: it compares these steps' losses, nothing else of the run is needed
-        end = dict(steps=stop, final_loss=strategy.mean(loss_value), elapsed_s=time.perf_counter() - started,
-                   reverify=True)
-        events.emit("end", **end)
-        strategy.shutdown()
-        return end
-    _report_flushes(checkpointer.close(), events)  # an asynchronous save still in flight finishes (or raises) here
-    final_loss = strategy.mean(loss_value)
-    accuracy = _evaluate(raw_model, spec, device, autocast, strategy)
-    full_state = strategy.full_state_dict(raw_model)  # FSDP gathers the shards: every rank takes part
-    if info.is_main:
-        torch.save(full_state, run_dir / "model.pt")
-    strategy.barrier()
-    end = dict(steps=total_steps, final_loss=final_loss, eval_accuracy=accuracy,
-               elapsed_s=time.perf_counter() - started, rss_peak_bytes=rss_peak_bytes(), **device_peak(device))
-    events.emit("end", **end)
-    strategy.shutdown()
+def _model_and_state(spec, strategy, dataset, device, run_dir):
+    """The model, built from the grading's nonce (run/nonce.py: copied or hand-written events cannot match its
+    initial weights), and its optimizer, wrapped by the strategy and resumed from the newest checkpoint when the
+    spec asks. Returns raw_model, model, optimizer, checkpointer, start_step, resumed_from, peak_lr."""
+    x0, _ = dataset[0]
+    classes = int(dataset.tensors[1].max()) + 1
+    model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, init_seed(spec.seed)).to(device)
+    peak_lr = scaled_lr(spec.optim, spec.global_batch)
+    optimizer = build_optimizer(spec.optim, model, peak_lr)
+    raw_model = model
+    if strategy.shards_state:  # wrap shards the state: a resume restores into the shards
+        model, optimizer = strategy.wrap(model, optimizer)
+    checkpointer = strategy.checkpointer(spec.checkpoint, run_dir / "checkpoints")  # a mesh: one part per rank
+    start_step, resumed_from = 0, None
+    if spec.checkpoint.resume and (found := checkpointer.latest()):
+        start_step = checkpointer.restore(model, optimizer, found)
+        resumed_from = str(found)
+    if not strategy.shards_state:
+        model, optimizer = strategy.wrap(model, optimizer)
+    return raw_model, model, optimizer, checkpointer, start_step, resumed_from, peak_lr
+
+
+def _step(r: _Rank, step: int) -> float:
+    """One training step after `step` steps: its micro-batches' forwards and backwards (or the pipeline schedule's),
+    the strategy's step, the memory event (first step) and the step event; returns the step's loss."""
+    spec, strategy, profiler, events = r.spec, r.strategy, r.profiler, r.events
+    accum, batch = spec.optim.grad_accum, spec.optim.batch_per_worker
+    lr = lr_of(spec.optim, step, r.peak_lr, r.total_steps)
+    for group in r.optimizer.param_groups:
+        group["lr"] = lr
+    if r.wire:
+        r.wire.take()  # from here to the step event
+    t0 = time.perf_counter()
+    data_s, loss_sum = 0.0, torch.zeros((), device=r.device)
+    first = step == r.start_step
+    # the first step's collectives are counted (every step issues the same ones); later steps run unobserved
+    counter = CommCounter() if first else contextlib.nullcontext()
+    activations = SavedTensorBytes()  # the activations one micro-batch's forward keeps for backward (first step)
+    counter.__enter__()
+    for micro in range(accum):
+        t_data = time.perf_counter()
+        with profiler.phase("data"):
+            x, y = next(r.batches)
+            if r.slow_data and micro == 0:
+                r.slow_data(step)
+        data_s += time.perf_counter() - t_data
+        if r.slow_compute and micro == 0:  # a slow forward: in this rank's compute_s, whatever the strategy
+            r.slow_compute(step)
+        if strategy.pipelined:  # the schedule runs the micro-batches' forwards and backwards
+            loss_sum += strategy.forward_backward(r.model, x, y, accum)
+            continue
+        with strategy.no_sync(r.model) if micro < accum - 1 else contextlib.nullcontext():
+            with r.autocast, activations if first and micro == 0 else contextlib.nullcontext(), \
+                    profiler.phase("forward"):
+                loss = F.cross_entropy(r.model(x).float(), y) / accum
+            with profiler.phase("backward"):
+                (r.scaler.scale(loss) if r.scaler else loss).backward()
+        loss_sum += loss.detach()
+    with profiler.phase("optimizer"):
+        strategy.step(r.optimizer, r.scaler)
+    counter.__exit__(None, None, None)
+    if first:  # what this rank holds once every state exists: gradients are freed next
+        events.emit("memory", step=step + 1, **state_bytes(r.raw_model, r.optimizer), rss_peak_bytes=rss_peak_bytes(),
+                    **device_peak(r.device), activation_bytes=activations.bytes, comm=counter.summary())
+    r.optimizer.zero_grad()  # set_to_none is the default (and Horovod takes no argument)
+    loss_value = float(loss_sum)  # a CPU-GPU sync point: it also makes the step time below honest
+    profiler.step()
+    step_s = time.perf_counter() - t0
+    comm_s = strategy.take_comm_time()
+    done = step + 1
+    if done % spec.log_every == 0 or done == r.total_steps:
+        exposed = comm_s if spec.strategy == "horovod" else 0.0  # DDP's buckets overlap backward
+        events.emit("step", step=done, loss=loss_value, lr=lr, samples=batch * accum, step_s=step_s,
+                    data_s=data_s, compute_s=max(step_s - data_s - exposed, 0.0), comm_s=comm_s,
+                    samples_per_s=batch * accum / step_s, **r.throughput.fields(batch * accum, step_s),
+                    **(r.wire.take() if r.wire else {}))
+    return loss_value
+
+
+def _finish(r: _Rank, loss_value: float, started: float) -> dict:
+    """The end of a whole run: the last writes on disk, the final loss and accuracy, model.pt, the end event."""
+    _report_flushes(r.checkpointer.close(), r.events)  # an asynchronous save still in flight finishes (or raises)
+    final_loss = r.strategy.mean(loss_value)
+    accuracy = _evaluate(r)
+    full_state = r.strategy.full_state_dict(r.raw_model)  # FSDP gathers the shards: every rank takes part
+    if r.info.is_main:
+        torch.save(full_state, Path(r.spec.output_dir) / "model.pt")
+    r.strategy.barrier()
+    end = dict(steps=r.total_steps, final_loss=final_loss, eval_accuracy=accuracy,
+               elapsed_s=time.perf_counter() - started, rss_peak_bytes=rss_peak_bytes(), **device_peak(r.device))
+    r.events.emit("end", **end)
+    r.strategy.shutdown()
     return end
 
 
@@ -221,7 +278,7 @@ def _report_flushes(done: list[dict], events) -> None:
 
 
 @torch.no_grad()
-def _evaluate(model, spec, device, autocast, strategy) -> float:
+def _evaluate(r: _Rank) -> float:
     """Accuracy on a held-out set, split over ranks (or a mesh's replicas) by the strategy and averaged."""
-    x, y = build_eval_set(spec.data, spec.seed)
-    return strategy.evaluate(model, x.to(device), y.to(device), autocast)
+    x, y = build_eval_set(r.spec.data, r.spec.seed)
+    return r.strategy.evaluate(r.raw_model, x.to(r.device), y.to(r.device), r.autocast)
