@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import build_dataset
-from ..train.models import build_model
-from ..train.optim import build_optimizer, scaled_lr
+from ..train.build import autocast_for, build_training  # noqa: F401  (autocast_for: the labs' experiments use it)
 from ..train.strategies import pick_device
 
 
@@ -37,10 +36,7 @@ def build_workload(spec, device: torch.device | None = None, dataset=None) -> Wo
     """Model, optimizer and data for `spec`, with the engine's builders and seed (dataset reused if given)."""
     device = device or pick_device(spec, 0)
     dataset = dataset if dataset is not None else build_dataset(spec.data, spec.seed)
-    x0, _ = dataset[0]
-    classes = int(dataset.tensors[1].max()) + 1
-    model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, spec.seed).to(device)
-    optimizer = build_optimizer(spec.optim, model, scaled_lr(spec.optim, spec.global_batch))
+    model, optimizer, _ = build_training(spec, dataset, device, spec.seed)
     return Workload(spec, dataset, model, optimizer, device)
 
 
@@ -53,14 +49,6 @@ def train_step(model, optimizer, x, y, autocast=None) -> float:
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach().item()
-
-
-def autocast_for(precision: str, device: torch.device):
-    """The autocast context for fp32 (none), bf16 or fp16 on this device."""
-    import contextlib
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def sync(device: torch.device) -> None:

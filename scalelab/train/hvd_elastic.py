@@ -25,7 +25,6 @@ and after, the step resumed from (the last commit) and the seconds from detectio
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
@@ -41,8 +40,8 @@ from ..dist import threads_per_rank
 from ..run.events import events_dir
 from ..run.combinations import horovod_elastic
 from .faults import maybe_inject, targets
-from .models import build_model
-from .optim import build_optimizer, lr_of, scaled_lr
+from .build import autocast_for, build_training
+from .optim import lr_of
 from .strategies import pick_device
 
 
@@ -88,17 +87,14 @@ def _setup(spec, device=None):
     """Data, model, optimizer and learning rate, as every worker and `replay` build them (on `device`: CPU)."""
     dataset = build_dataset(spec.data, spec.seed)
     x, y = dataset.tensors
-    model = build_model(spec.model, x.shape[1], x.shape[-1], int(y.max()) + 1, spec.seed)
-    if device is not None and device.type != "cpu":
-        x, y, model = x.to(device), y.to(device), model.to(device)
-    peak_lr = scaled_lr(spec.optim, spec.global_batch)
-    return x, y, model, build_optimizer(spec.optim, model.parameters(), peak_lr), peak_lr
+    device = device if device is not None else torch.device("cpu")
+    model, optimizer, peak_lr = build_training(spec, dataset, device, spec.seed)
+    return x.to(device), y.to(device), model, optimizer, peak_lr
 
 
 def _autocast(spec, device):
-    if spec.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """bf16 only: an elastic run has no GradScaler, so fp16 runs unscaled in fp32."""
+    return autocast_for("bf16" if spec.precision == "bf16" else "fp32", device)
 
 
 def replay(spec, steps: int | None = None) -> dict[str, torch.Tensor]:

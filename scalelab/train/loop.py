@@ -30,8 +30,8 @@ from ..run.user_code import code_hashes
 from .comm_hooks import WireCounter
 from .memory import CommCounter, SavedTensorBytes, device_peak, rss_peak_bytes, state_bytes
 from .gpt import Throughput
-from .models import build_model
-from .optim import build_optimizer, lr_of, scaled_lr
+from .build import autocast_for, build_training
+from .optim import lr_of
 from .preempt import Preemption
 from .profiling import StepProfiler
 from .strategies import build_strategy, pick_device
@@ -137,7 +137,7 @@ def _set_up(spec, info, events) -> _Rank:
     return _Rank(
         spec=spec, info=info, events=events, device=device, strategy=strategy, raw_model=raw_model, model=model,
         optimizer=optimizer, scaler=torch.amp.GradScaler("cuda") if spec.precision == "fp16" else None,
-        checkpointer=checkpointer, profiler=profiler, autocast=_autocast(spec.precision, device), batches=batches,
+        checkpointer=checkpointer, profiler=profiler, autocast=autocast_for(spec.precision, device), batches=batches,
         throughput=throughput, start_step=start_step, total_steps=total_steps, peak_lr=peak_lr,
         # the bytes behind a compression claim (ring model); Horovod moves its own
         wire=WireCounter().install() if info.world_size > 1 and spec.strategy != "horovod" else None,
@@ -149,11 +149,7 @@ def _model_and_state(spec, strategy, dataset, device, run_dir):
     """The model, built from the grading's nonce (run/nonce.py: copied or hand-written events cannot match its
     initial weights), and its optimizer, wrapped by the strategy and resumed from the newest checkpoint when the
     spec asks. Returns raw_model, model, optimizer, checkpointer, start_step, resumed_from, peak_lr."""
-    x0, _ = dataset[0]
-    classes = int(dataset.tensors[1].max()) + 1
-    model = build_model(spec.model, x0.shape[0], x0.shape[-1], classes, init_seed(spec.seed)).to(device)
-    peak_lr = scaled_lr(spec.optim, spec.global_batch)
-    optimizer = build_optimizer(spec.optim, model, peak_lr)
+    model, optimizer, peak_lr = build_training(spec, dataset, device, init_seed(spec.seed))
     raw_model = model
     if strategy.shards_state:  # wrap shards the state: a resume restores into the shards
         model, optimizer = strategy.wrap(model, optimizer)
@@ -238,13 +234,6 @@ def _finish(r: _Rank, loss_value: float, started: float) -> dict:
     r.events.emit("end", **end)
     r.strategy.shutdown()
     return end
-
-
-def _autocast(precision: str, device):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _checkpoint(checkpointer, strategy, model, optimizer, step, loss, events):
