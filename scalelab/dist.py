@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .machine import usable_cpus
+
 # (rank, world size, local rank, local size) variable names, in order of precedence.
 _SOURCES = (
     ("torch", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
@@ -58,16 +60,6 @@ def rank_info(env=None) -> RankInfo:
 def get_rank() -> int:
     """This process's rank (0 outside a distributed run)."""
     return rank_info().rank
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity: a Slurm allocation, a cgroup, taskset), else all of them: the
-    one count of CPUs the engine, its launchers and the labs share (os.cpu_count() is the machine's, which a job
-    given 4 of a node's 64 cores must not divide among its ranks)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
 
 
 def threads_per_rank(spec, ranks_on_node: int) -> int:

@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# wing -> the wings it may import. Ground modules (errors, paths, dist, record) may be imported by everyone.
-GROUND = {"errors", "paths", "dist", "record"}
+# wing -> the wings it may import. Ground modules (errors, paths, dist, machine, record) may be imported by everyone.
+GROUND = {"errors", "paths", "dist", "machine", "record"}
 ALLOWED = {
     "ground": set(),
     "run": set(),
@@ -36,7 +36,7 @@ ALLOWED = {
     "facade": None,  # scalelab/__init__.py names what notebooks use, wherever it lives (loaded lazily)
     "alias": {"train"},  # scalelab/worker.py: `python -m scalelab.worker` for old batch scripts
 }
-TOP_LEVEL = {"__init__.py", "errors.py", "paths.py", "dist.py", "record.py", "worker.py"}
+TOP_LEVEL = {"__init__.py", "errors.py", "paths.py", "dist.py", "machine.py", "record.py", "worker.py"}
 LAB_IMPORTS = re.compile(r"scalelab(\.widgets|\.experiments(\.\w+)?|\.record)?")
 
 

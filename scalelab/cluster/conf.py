@@ -6,7 +6,6 @@ in the configuration, and every reading of Slurm's answers, can be tested as tex
 """
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..machine import count_gpus, gpu_device_files, memory_bytes, usable_cpus
 from .accounting import slurm_conf_lines
 
 CTLD_PORT = 6817
@@ -55,27 +55,6 @@ def memory_headroom_mb(memory_mb: int) -> int:
     return max(512, min(8192, memory_mb // 10))
 
 
-def gpu_device_files() -> tuple[str, ...]:
-    """The /dev/nvidiaN files of this machine (a container may show only some of them), in numeric order."""
-    found = [p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)]
-    return tuple(sorted(found, key=lambda p: int(p[len("/dev/nvidia"):])))
-
-
-def count_gpus() -> int:
-    """Number of NVIDIA GPUs: the /dev/nvidiaN device files, else the GPUs that `nvidia-smi -L` lists."""
-    files = gpu_device_files()
-    if files:
-        return len(files)
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))  # MIG lines are indented
-
-
 def _resolves(name: str) -> bool:
     try:
         socket.gethostbyname(name)
@@ -98,9 +77,9 @@ def detect_machine() -> Machine:
     """This machine's host name, CPU topology, memory and GPUs, as slurmd will report them at registration."""
     host = socket.gethostname().split(".")[0]
     shape = _slurmd_shape()
-    cpus = shape.get("CPUs") or len(os.sched_getaffinity(0))
+    cpus = shape.get("CPUs") or usable_cpus()
     sockets = shape.get("SocketsPerBoard", 1) * shape.get("Boards", 1)
-    memory = shape.get("RealMemory") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    memory = shape.get("RealMemory") or memory_bytes() // 2**20
     return Machine(hostname=host, node_addr=None if _resolves(host) else "127.0.0.1", cpus=cpus,
                    sockets=sockets if shape else 1, cores_per_socket=shape.get("CoresPerSocket", cpus),
                    threads_per_core=shape.get("ThreadsPerCore", 1), memory_mb=memory, gpus=count_gpus(),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ScalelabError
+from ..machine import gpu_device_files, memory_bytes
 from ..paths import checkout_root
 from .lab import NOTEBOOK, Lab, load_lab, student_files
 
@@ -132,9 +133,9 @@ def machine_summary() -> dict:
                 break
     except OSError:
         pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    gpus = len([p for p in Path("/dev").glob("nvidia[0-9]*")])
-    return {"cpus": os.cpu_count() or 0, "cpu_model": model, "memory_gib": round(mem, 1), "gpus": gpus}
+    mem = memory_bytes() / 2**30
+    return {"cpus": os.cpu_count() or 0, "cpu_model": model, "memory_gib": round(mem, 1),
+            "gpus": len(gpu_device_files())}
 
 
 def _load() -> float | None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..dist import usable_cpus
+from ..machine import usable_cpus
 from ..train.kfac import KFAC
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data.spread import GlobalIndex, SpreadReader
-from ..dist import usable_cpus
+from ..machine import usable_cpus
 from ..data.store import ThrottledStore
 
 

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ScalelabError
+from ..machine import gpu_device_files
 
 UID_RANGE = (1_000_000_000, 1_500_000_000)  # far above any site's real accounts
 # /run too: the host daemons' sockets live there (D-Bus, journald, nscd, munge), and a filesystem socket, unlike
@@ -326,7 +327,7 @@ def blocking_ancestor(path: str) -> str | None:
 
 def gpu_devices() -> list[str]:
     """NVIDIA device files on this machine (/dev/nvidia0, ...)."""
-    return sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
+    return list(gpu_device_files())
 
 
 _HANDED_OUT: set[int] = set()  # uids given to runs of this grader: two threads never share one

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..dist import usable_cpus
+from ..machine import usable_cpus
 from ..errors import LaunchError, RunFailed, RunTimeout
 from ..run.procs import PEER_GRACE_S, describe_exit, is_peer_failure, kill_processes, scrub_env
 from .base import start_process

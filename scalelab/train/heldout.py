@@ -93,7 +93,7 @@ def _score(model, x, y) -> float:
 def main(argv: list[str]) -> int:
     request = json.loads(Path(argv[0]).read_text())
     import torch
-    from ..dist import usable_cpus
+    from ..machine import usable_cpus
     torch.set_num_threads(max(1, min(2, usable_cpus())))
     x, y = heldout_set(request["heldout"])
     answer = {"runs": {}}

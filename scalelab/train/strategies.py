@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import set_socket_interface, threads_per_rank, usable_cpus
+from ..dist import set_socket_interface, threads_per_rank
+from ..machine import usable_cpus
 from ..run.combinations import gloo_cannot_run
 from .strategy import Strategy
 
