@@ -7,12 +7,16 @@ from scalelab.grade.checks import check
 
 @check(points=1, needs_run=True)
 def hpo_ran_on_every_worker(r):
-    """The search ran its trials, spread over its workers."""
+    """The search ran its trials, spread over its workers, and its best complete trial learned: above 40 % accuracy
+    (4 classes: chance is 25 %; a 60-step trial ends near 50 %)."""
+    # the bar was 50 %: the reference's best trial reached 0.477 in one CI (the grading's nonce changes every
+    # trial's initial weights, so the same search ends a little differently in every grading)
     h, p = r["hpo"], r["lab10_params"]
     assert len(h["trials"]) == p["hpo_trials"], f"{len(h['trials'])} trials, expected {p['hpo_trials']}"
     assert len(h["trials_per_worker"]) == min(p["hpo_workers"], p["hpo_trials"]), \
         f"trials per worker {h['trials_per_worker']}: every worker should have pulled trials"
-    assert h["best"] is not None and h["best"]["value"] > 0.5, "no completed trial reached 50 % accuracy"
+    assert h["best"] is not None and h["best"]["value"] > 0.4, \
+        "no completed trial reached 40 % accuracy (chance is 25 % with 4 classes)"
 
 
 @check(points=2, needs_run=True)
