@@ -74,6 +74,18 @@ def _real_parts(request):
             pytest.skip("no CUDA GPU on this machine: run `pytest -m gpu tests/test_gpu.py` on a GPU node")
 
 
+@pytest.fixture(autouse=True)
+def _shared_cluster_left_working(request):
+    """After each test of the clusters group: the shared local Slurm can still start jobs, else this test errors with
+    Slurm's reason and the cluster is resumed for the tests after it (tests/cluster_watch.py)."""
+    yield
+    if os.geteuid() == 0 and xdist_group_of(request.node) == "clusters":
+        import cluster_watch
+        found = cluster_watch.after_test(request.node.nodeid)
+        if found:
+            pytest.fail(found, pytrace=False)
+
+
 @contextlib.contextmanager
 def one_worker_holds(part: str):
     """Fail when a second worker of this run sets up `part`: the tests sharing it were not kept to one worker
@@ -168,6 +180,11 @@ def pytest_collection_modifyitems(config, items):
 
 # -- where the time goes: every run ends with the time per test file ---------------------------------------------
 _FILE_TIMES: dict[str, list[float]] = {}  # file -> [seconds summed over its tests' phases, first start, last stop]
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # this run's findings only (tests/cluster_watch.py)
+        (ROOT / "build" / "cluster-watch.txt").unlink(missing_ok=True)
 
 
 def pytest_runtest_logreport(report):

@@ -291,3 +291,23 @@ def test_clients_need_only_the_env_and_the_cli_reports_json(slurm_cluster):
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
     assert st["up"] is True and st["conf"] == str(slurm_cluster.conf_path)
+
+
+@pytest.mark.slurm
+def test_a_node_a_test_left_drained_is_named_on_that_test_and_resumed(slurm_cluster, tmp_path):
+    """The suite's watch (tests/cluster_watch.py, run after every test of the clusters group): a drained node and a
+    base partition left DOWN are reported with Slurm's reason, then resumed, and a job runs again."""
+    import cluster_watch
+    node = detect_machine().hostname
+    slurm_cluster.run("scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=watch-test-drain")
+    slurm_cluster.run("scontrol", "update", "PartitionName=grading", "State=DOWN")
+    try:
+        found = cluster_watch.after_test("the-test", log=tmp_path / "watch.txt")
+    finally:  # whatever the watch did, the tests after this one get a working cluster
+        slurm_cluster.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
+        slurm_cluster.run("scontrol", "update", "PartitionName=grading", "State=UP")
+    assert found and "after the-test" in found and "watch-test-drain" in found and "partition grading: DOWN" in found
+    assert "; resumed" in found and (tmp_path / "watch.txt").read_text().count("after the-test") == 1
+    assert cluster_watch.after_test("the-next-test", log=tmp_path / "watch.txt") is None
+    jobid = submit(slurm_cluster, "-o", "/dev/null", "--wrap", "true")
+    assert wait_for(slurm_cluster, jobid, {"COMPLETED", "FAILED"})["JobState"] == "COMPLETED"

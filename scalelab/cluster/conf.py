@@ -256,6 +256,10 @@ def _daemon_lines(p: StatePaths, *, ctld_port: int, slurmd_port: int, slurmd_pid
         "SlurmctldTimeout=30",
         "InactiveLimit=0",
         "KillWait=5",
+        # A step whose processes are not gone this long after SIGKILL drains the node ("Kill task failed"): the
+        # default 60 s is too short for a 2-core machine under a whole test suite's load, and one drained node
+        # holds every later job of the course.
+        "UnkillableStepTimeout=180",
         "WaitTime=0",
         # A node that was down when the daemons stopped comes back as soon as its slurmd registers again.
         "ReturnToService=2",
