@@ -54,12 +54,19 @@ def test_ddp_buckets_overlap_backward_in_the_trace(ddp_run):
     assert sorted(summary) == [0, 1]
     for rank, s in summary.items():
         assert s["collectives"].get("all_reduce", 0) >= 2 * 3, (rank, s)  # several buckets in each active step
-        assert s["comm_s"] > 0 and 0 < s["overlap"] <= 1, (rank, s)
+        # how much of the all-reduce time backward shared is the machine's to decide: on a loaded 2-core machine
+        # gloo's thread may get a core only after backward ends (0.0 on a rank in one CI run)
+        assert s["comm_s"] > 0 and 0 <= s["overlap"] <= 1, (rank, s)
         assert s["overlapped_s"] == pytest.approx(s["overlap"] * s["comm_s"])
-    # the first bucket's all-reduce starts inside backward: backward is still running when it is sent
-    iv = trace_intervals(load_trace(trace_path(ddp_run.run_dir, 0)), 0)
-    backward = [(a, b) for p, a, b in iv["phases"] if p == "backward"]
-    assert any(a < c0 < b for a, b in backward for _, c0, _, _ in iv["comm"])
+    # what DDP decides, on every rank and in every active step: its hooks send a bucket while backward still runs
+    # (the training thread's collective call lies inside backward) and the later buckets after it
+    for rank in (0, 1):
+        iv = trace_intervals(load_trace(trace_path(ddp_run.run_dir, rank)), rank)
+        backward = [(a, b) for p, a, b in iv["phases"] if p == "backward"]
+        assert len(backward) == 3, iv["phases"]
+        for a, b in backward:
+            sent = [c0 for kind, c0, _ in iv["issued"] if kind == "all_reduce" and a <= c0 <= b]
+            assert len(sent) >= 2 and min(sent) < b - 1e-4, (rank, a, b, sent)
 
 
 def test_overlap_counts_only_the_time_comm_and_compute_share():

@@ -88,7 +88,8 @@ def trace_intervals(trace: dict, rank: int | None = None) -> dict:
     """Phases, collectives, compute and steps of one rank's trace as (start, end) seconds since the epoch.
 
     phases: [(phase, start, end)], comm: [(kind, start, end, name)], compute: merged [(start, end)] on the
-    training thread (CPU) or the GPU, steps: [(step number, start, end)].
+    training thread (CPU) or the GPU, steps: [(step number, start, end)], issued: [(kind, start, end)] of the
+    collective calls the training thread made (on a CPU run: where DDP's hooks sent each bucket).
     """
     events = trace["traceEvents"]
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
@@ -118,8 +119,10 @@ def trace_intervals(trace: dict, rank: int | None = None) -> dict:
         comm = [(kind, a, b, name) for (_, kind), (_, a, b, name) in zip(sorted(issued), comm)]
     if rank is None:
         rank = (trace.get("distributedInfo") or {}).get("rank")
+    calls = sorted((kind, *span) for (_, kind), span in zip(issued, waiting))
     return {"rank": rank, "gpu": gpu, "phases": sorted(phases, key=_start),
-            "comm": comm, "compute": subtract(compute, waiting), "steps": sorted(steps)}
+            "comm": comm, "compute": subtract(compute, waiting), "steps": sorted(steps),
+            "issued": sorted(calls, key=_start)}
 
 
 def _span(event: dict, base_us: float) -> tuple[float, float]:
