@@ -90,8 +90,11 @@ class HubUser:
                 "parent_header": {}, "metadata": {}, "channel": "shell",
                 "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
                             "allow_stdin": False, "stop_on_error": True}}))
-            out, deadline = [], time.monotonic() + timeout
-            while time.monotonic() < deadline:
+            # The reply comes on the shell channel and the output on iopub: the websocket merges them in no fixed
+            # order, so a loaded machine can deliver the reply before the last output. The cell is done when both
+            # the reply and iopub's "idle" for it have come (as nbclient waits).
+            out, deadline, reply, idle = [], time.monotonic() + timeout, None, False
+            while time.monotonic() < deadline and (reply is None or not idle):
                 m = json.loads(ws.recv())
                 if m.get("parent_header", {}).get("msg_id") != msg_id:
                     continue
@@ -100,7 +103,14 @@ class HubUser:
                 elif m["msg_type"] == "error":
                     raise AssertionError("the cell failed:\n" + "\n".join(m["content"]["traceback"])[-3000:])
                 elif m["msg_type"] == "execute_reply":
-                    return "".join(out)
+                    reply = m["content"]
+                elif m["msg_type"] == "status" and m["content"].get("execution_state") == "idle":
+                    idle = True
+            if reply is not None and idle:
+                if reply.get("status") != "ok":
+                    raise AssertionError(f"the cell ended {reply.get('status')}: {reply}; its output: "
+                                         f"{''.join(out)[-2000:]}")
+                return "".join(out)
             raise AssertionError(f"the cell did not finish in {timeout:g} s; its output: {''.join(out)[-2000:]}")
         finally:
             ws.close()
