@@ -27,7 +27,8 @@ def test_reference_numbers_tell_the_lab_story(reference):
     assert opt["lamb"] < opt["sgd linear"] - 1.0
     assert 10 < records["b_noise"] < 1000
     runs = {r["label"]: r for r in records["schedule_runs"]}
-    # the decayed run settles (0.53 x in a CI run, lower in others: the grading's nonce draws the initial weights)
+    # the decayed run settles: at peak 0.48 after 20 warm-up steps its tail loss was 0.02-0.53 x the constant run's over
+    # 15 seeds here (the grading's nonce draws the initial weights; at 0.64 after 10, half the seeds diverged)
     assert runs["yours"]["tail_loss"] < 0.75 * runs["constant"]["tail_loss"]
     best = {p["batch"]: p["steps"] for p in records["target_study"]["best"]}
     assert len(best) >= 4 and best[16] > 2 * min(best.values())  # small batches need many more steps ...
