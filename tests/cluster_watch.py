@@ -107,3 +107,36 @@ def after_test(nodeid: str, log: Path | None = WATCH_LOG) -> str | None:
         with open(log, "a") as f:
             f.write(time.strftime("%H:%M:%S ") + text + "\n")
     return text
+
+
+def reservations(cluster) -> set[str]:
+    """The names of the reservations Slurm holds now."""
+    from scalelab.cluster.conf import parse_scontrol
+    r = cluster.run("scontrol", "show", "reservation", "-o", check=False, timeout=15)
+    return {x["ReservationName"] for x in parse_scontrol(r.stdout, "ReservationName")}
+
+
+def after_module(module: str, before: set[str], log: Path | None = WATCH_LOG) -> str | None:
+    """Reservations a test module made and left (a hub fixture's class reservation still in use at its teardown:
+    its core held from every later job for up to two hours, the jobs asking for 2 CPUs pending all that time) are
+    deleted, their jobs cancelled; what to fail with, or None."""
+    from scalelab.cluster.local import ClusterError
+    cluster = running_cluster()
+    if cluster is None:
+        return None
+    left = sorted(reservations(cluster) - before)
+    if not left:
+        return None
+    notes = []
+    for name in left:
+        try:
+            cluster.drop_reservation(name, wait_s=5, cancel_jobs=True)
+            notes.append(f"{name} (deleted)")
+        except ClusterError as e:
+            notes.append(f"{name} (could not be deleted: {e})")
+    text = f"after {module}: reservations it made were left on the local Slurm: {'; '.join(notes)}"
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(time.strftime("%H:%M:%S ") + text + "\n")
+    return text

@@ -86,6 +86,23 @@ def _shared_cluster_left_working(request):
             pytest.fail(found, pytrace=False)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_leaves_no_reservation(request):
+    """A module whose tests all share the local Slurm leaves no reservation of its own behind (see
+    tests/cluster_watch.after_module); a module split over both workers is not watched (the other may be making one)."""
+    mine = [i for i in request.session.items if i.path == request.node.path]
+    if os.geteuid() != 0 or not mine or any(xdist_group_of(i) != "clusters" for i in mine):
+        yield
+        return
+    import cluster_watch
+    cluster = cluster_watch.running_cluster()
+    before = cluster_watch.reservations(cluster) if cluster is not None else set()
+    yield
+    found = cluster_watch.after_module(request.node.nodeid, before)
+    if found:
+        pytest.fail(found, pytrace=False)
+
+
 @contextlib.contextmanager
 def one_worker_holds(part: str):
     """Fail when a second worker of this run sets up `part`: the tests sharing it were not kept to one worker

@@ -311,3 +311,27 @@ def test_a_node_a_test_left_drained_is_named_on_that_test_and_resumed(slurm_clus
     assert cluster_watch.after_test("the-next-test", log=tmp_path / "watch.txt") is None
     jobid = submit(slurm_cluster, "-o", "/dev/null", "--wrap", "true")
     assert wait_for(slurm_cluster, jobid, {"COMPLETED", "FAILED"})["JobState"] == "COMPLETED"
+
+
+@pytest.mark.slurm
+def test_a_reservation_a_module_left_in_use_is_named_and_deleted_with_its_jobs(slurm_cluster, tmp_path):
+    """The suite's module watch (a hub fixture once left its one-core class reservation in use: every later 2-CPU
+    job pended until it ended): Slurm refuses to delete a reservation a job runs in; drop_reservation cancels the job
+    and deletes it, and the watch names it."""
+    import cluster_watch
+    name = f"watch-test-{os.getpid()}"
+    before = cluster_watch.reservations(slurm_cluster)
+    slurm_cluster.run("scontrol", "create", "reservation", f"ReservationName={name}", "Users=root", "StartTime=now",
+                      "Duration=10", f"Nodes={detect_machine().hostname}", "CoreCnt=1", "Flags=IGNORE_JOBS")
+    jobid = submit(slurm_cluster, f"--reservation={name}", "-o", "/dev/null", "--wrap", "sleep 300")
+    try:
+        wait_for(slurm_cluster, jobid, {"RUNNING"}, timeout=30)
+        busy = slurm_cluster.run("scontrol", "delete", f"ReservationName={name}", check=False)
+        found = cluster_watch.after_module("the-module", before, log=tmp_path / "watch.txt")
+    finally:
+        slurm_cluster.run("scancel", jobid, check=False)
+        slurm_cluster.drop_reservation(name, wait_s=30, cancel_jobs=True)
+    assert busy.returncode != 0, busy  # in use: Slurm refuses to delete it
+    assert found == f"after the-module: reservations it made were left on the local Slurm: {name} (deleted)"
+    assert slurm_cluster._reservation(name) is None
+    assert wait_for(slurm_cluster, jobid, {"CANCELLED"})["JobState"] == "CANCELLED"

@@ -163,11 +163,8 @@ def hub(tmp_path_factory, slurm_cluster):
     finally:
         runner.cleanup()
         subprocess.run(["userdel", u("eve")], capture_output=True)
-        for _ in range(30):
-            if slurm_cluster.run("scontrol", "delete", f"ReservationName={resv}", check=False).returncode == 0:
-                break
-            time.sleep(1)
         shutil.rmtree(work, ignore_errors=True)
+        slurm_cluster.drop_reservation(resv, wait_s=30, cancel_jobs=True)  # left, it holds a core for an hour
 
 
 @pytest.fixture(scope="module")

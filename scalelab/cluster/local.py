@@ -441,10 +441,24 @@ class LocalCluster:
         elif sorted(existing.get("Users", "").split(",")) != names or "MAGNETIC" not in existing.get("Flags", ""):
             self.run("scontrol", "update", f"ReservationName={name}", f"Users={','.join(names)}", "Flags+=MAGNETIC")
 
-    def drop_reservation(self, name: str) -> None:
-        """Delete a reservation if it exists (jobs already running in it go on)."""
-        if self._reservation(name) is not None:
-            self.run("scontrol", "delete", f"ReservationName={name}")
+    def drop_reservation(self, name: str, wait_s: float = 0.0, cancel_jobs: bool = False) -> None:
+        """Delete a reservation if it exists. Slurm refuses while a job of it has not ended: this waits up to
+        `wait_s` seconds for them; with `cancel_jobs` it then cancels them (scancel --reservation) and waits once
+        more. ClusterError if the reservation is still there: a reservation left behind holds its cores for
+        everyone else until it ends."""
+        deadline, cancelled = time.monotonic() + wait_s, False
+        while self._reservation(name) is not None:
+            r = self.run("scontrol", "delete", f"ReservationName={name}", check=False)
+            if r.returncode == 0:
+                return
+            if time.monotonic() >= deadline:
+                if not cancel_jobs or cancelled:
+                    raise ClusterError(f"reservation {name} could not be deleted: {(r.stderr or r.stdout).strip()} "
+                                       f"(its jobs: `squeue -R {name}`; scancel them, then `scontrol delete "
+                                       f"ReservationName={name}`)")
+                self.run("scancel", f"--reservation={name}", check=False)
+                deadline, cancelled = time.monotonic() + max(wait_s, 30.0), True
+            time.sleep(1)
 
     def _reservation(self, name: str) -> dict | None:
         r = self.run("scontrol", "show", "reservation", name, "-o", check=False)

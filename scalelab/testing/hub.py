@@ -376,11 +376,10 @@ def class_reservation_and_queue(cluster) -> Iterator[tuple[str, str]]:
         cluster.run("scontrol", "create", f"PartitionName={down}", f"Nodes={node}", "State=DOWN")
         yield resv, down
     finally:
-        for _ in range(30):  # a reservation in use cannot be deleted: wait for its last job to leave
-            if cluster.run("scontrol", "delete", f"ReservationName={resv}", check=False).returncode == 0:
-                break
-            time.sleep(1)
         cluster.run("scontrol", "delete", f"PartitionName={down}", check=False)
+        # in use it cannot be deleted: wait for its last job to leave, then end what is left (left in place, it
+        # would hold its core from every later job for two hours)
+        cluster.drop_reservation(resv, wait_s=30, cancel_jobs=True)
 
 
 def slurm_settings(cluster, reservation: str = "", profiles: list | None = None, **slurm) -> dict:
