@@ -140,3 +140,34 @@ def after_module(module: str, before: set[str], log: Path | None = WATCH_LOG) ->
         with open(log, "a") as f:
             f.write(time.strftime("%H:%M:%S ") + text + "\n")
     return text
+
+
+TEST_PREFIXES = ("hubtest-", "hubdown-", "scalelab-test-", "watch-test-")
+"""The names the tests give the reservations and partitions they make on the shared local Slurm."""
+
+
+def clear_leftovers(cluster, log: Path | None = WATCH_LOG) -> list[str]:
+    """At the start of a run: the reservations and partitions an earlier, killed run of the tests left (slurmctld
+    keeps them across restarts; a one-core reservation holds every 2-CPU job of this run until it ends), removed
+    with their jobs. What was removed."""
+    from scalelab.cluster.conf import parse_scontrol
+    from scalelab.cluster.local import ClusterError
+    removed = []
+    for name in sorted(reservations(cluster)):
+        if name.startswith(TEST_PREFIXES):
+            try:
+                cluster.drop_reservation(name, wait_s=5, cancel_jobs=True)
+                removed.append(f"reservation {name}")
+            except ClusterError as e:
+                removed.append(f"reservation {name} (could not be deleted: {e})")
+    shown = parse_scontrol(cluster.run("scontrol", "show", "partition", "-o", timeout=15).stdout, "PartitionName")
+    for p in shown:
+        if p["PartitionName"].startswith(TEST_PREFIXES):
+            cluster.run("scontrol", "delete", f"PartitionName={p['PartitionName']}", check=False)
+            removed.append(f"partition {p['PartitionName']}")
+    if removed and log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(time.strftime("%H:%M:%S ") + "before the run: an earlier run's leftovers removed: "
+                    + "; ".join(removed) + "\n")
+    return removed

@@ -132,6 +132,9 @@ def slurm_cluster(tmp_path_factory):
     with one_worker_holds("slurm_cluster"):
         cluster = LocalCluster()
         cluster.up()
+        if os.geteuid() == 0:
+            import cluster_watch
+            cluster_watch.clear_leftovers(cluster)  # an earlier, killed run's reservations and partitions
         yield cluster
 
 

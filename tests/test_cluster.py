@@ -335,3 +335,22 @@ def test_a_reservation_a_module_left_in_use_is_named_and_deleted_with_its_jobs(s
     assert found == f"after the-module: reservations it made were left on the local Slurm: {name} (deleted)"
     assert slurm_cluster._reservation(name) is None
     assert wait_for(slurm_cluster, jobid, {"CANCELLED"})["JobState"] == "CANCELLED"
+
+
+@pytest.mark.slurm
+def test_a_killed_runs_reservations_and_partitions_are_removed_at_the_next_start(slurm_cluster, tmp_path):
+    """What a run killed mid-module leaves on the shared Slurm (slurmctld keeps it across restarts) is removed when
+    the next run's cluster fixture starts (tests/cluster_watch.clear_leftovers); another reservation is kept."""
+    import cluster_watch
+    node, tag = detect_machine().hostname, os.getpid()
+    for name in (f"hubtest-left-{tag}", f"kept-{tag}"):
+        slurm_cluster.run("scontrol", "create", "reservation", f"ReservationName={name}", "Users=root",
+                          "StartTime=now", "Duration=10", f"Nodes={node}", "CoreCnt=1", "Flags=IGNORE_JOBS,OVERLAP")
+    slurm_cluster.run("scontrol", "create", f"PartitionName=hubdown-left-{tag}", f"Nodes={node}", "State=DOWN")
+    try:
+        removed = cluster_watch.clear_leftovers(slurm_cluster, log=tmp_path / "watch.txt")
+    finally:
+        slurm_cluster.drop_reservation(f"kept-{tag}")
+    assert removed == [f"reservation hubtest-left-{tag}", f"partition hubdown-left-{tag}"]
+    assert slurm_cluster._reservation(f"hubtest-left-{tag}") is None
+    assert "before the run" in (tmp_path / "watch.txt").read_text()

@@ -143,7 +143,7 @@ def hub(tmp_path_factory, slurm_cluster):
     work = tempfile.mkdtemp(prefix="hubwarm-")
     os.chmod(work, 0o755)  # students' jobs read nothing here, but their accounts must traverse to their homes
     node = slurm_cluster.status()["nodes"][0]["name"]
-    resv = f"class-{secrets.token_hex(3)}"
+    resv = f"hubtest-class-{secrets.token_hex(3)}"  # hubtest-: a later run removes it if this one is killed
     # the class reservation, for the course's Slurm account (every course account), one core of the node
     slurm_cluster.run("scontrol", "create", "reservation", f"ReservationName={resv}", "Accounts=scalelab",
                       "StartTime=now", "Duration=60", f"Nodes={node}", "CoreCnt=1", "Flags=IGNORE_JOBS")
