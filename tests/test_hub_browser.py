@@ -17,8 +17,6 @@ from scalelab.testing.hub import HubRunner, slurm_settings
 
 pytestmark = [pytest.mark.browser, pytest.mark.hub, pytest.mark.slow]
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 CELL = 'import os\nprint("gloo-iface=" + os.environ.get("GLOO_SOCKET_IFNAME", "none"), 6 * 7)'
 NOTEBOOK = {
     "cells": [{"cell_type": "markdown", "id": "intro", "metadata": {}, "source": "# Lab 1"},
@@ -47,12 +45,9 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
+    from browser import chromium
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def sign_in_to_lab(page, hub, user: str) -> None:

@@ -138,28 +138,14 @@ def test_admin_and_instructor_see_the_class_and_a_student_gets_403(hub):
 @pytest.mark.browser
 @pytest.mark.slow
 def test_the_dashboard_in_a_browser(hub):
-    from playwright.sync_api import sync_playwright
-    from tests.test_hub_browser import CHROMIUM_ARGS
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(f"{hub.url}/hub/login")
-            page.fill("input[name=username]", hub.user("prof"))
-            page.fill("input[name=password]", hub.settings["auth"]["admin_password"])
-            page.click("#login_submit")
-            page.wait_for_load_state()
-            page.goto(f"{hub.url}/services/dashboard/")
-            page.wait_for_selector("table#class")
-            text = page.inner_text("table#class")
-            assert re.search(rf"{re.escape(hub.user('stud'))}", text), text
-            assert "90_fixture" in text
-        except Exception:
-            page.screenshot(path=str(hub.workdir / "dashboard-failure.png"))
-            raise
-        finally:
-            browser.close()
+    from browser import signed_in_page
+    with signed_in_page(hub.url, hub.user("prof"), hub.settings["auth"]["admin_password"],
+                        hub.workdir / "dashboard-failure.png") as page:
+        page.goto(f"{hub.url}/services/dashboard/")
+        page.wait_for_selector("table#class")
+        text = page.inner_text("table#class")
+        assert re.search(rf"{re.escape(hub.user('stud'))}", text), text
+        assert "90_fixture" in text
 
 
 def test_a_job_named_after_a_classmate_is_not_shown_as_their_server(tmp_path, monkeypatch):

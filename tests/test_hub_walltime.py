@@ -264,11 +264,7 @@ def hub(open_dir, slurm_cluster):
 @pytest.fixture(scope="module")
 def job(hub):
     """alice's server in a 2-minute job, with a protected run (checkpoint.on_signal) training in it."""
-    alice = hub.login("alice")
-    r = alice.spawn(options={"profile": "short"})
-    assert r.status_code in (201, 202), r.text
-    alice.wait_ready(timeout=120)
-    [slurm_job] = [j for j in hub.jobs() if j["name"] == f"jupyter-{alice.name}"]
+    alice, slurm_job = hub.spawned("alice", "short", timeout=120)
     started = json.loads(alice.run_cell(RUN_CELL, timeout=120, keep_kernel=True).strip().splitlines()[-1])
     assert started["status"] == "running" and started["pids"], started
     return {"user": alice, "job_id": slurm_job["id"], **started}
@@ -315,27 +311,17 @@ def test_the_countdown_follows_the_job_and_warns_at_the_threshold(hub, job):
 @pytest.mark.slurm
 @pytest.mark.browser
 def test_jupyterlab_shows_the_countdown_in_its_status_bar_and_the_warning(hub, job):
-    from playwright.sync_api import sync_playwright
+    from browser import signed_in_page
     alice = job["user"]
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        try:
-            page = browser.new_page()
-            page.goto(f"{hub.url}/hub/login")
-            page.fill("input[name=username]", alice.name)
-            page.fill("input[name=password]", hub.password_of(alice.name))
-            page.click("#login_submit")
-            page.goto(f"{hub.url}/user/{alice.name}/lab")
-            item = page.locator(".scalelab-walltime")
-            item.wait_for(timeout=90_000)
-            page.wait_for_function("document.querySelector('.scalelab-walltime').textContent.includes('left')",
-                                   timeout=30_000)
-            text = item.inner_text()
-            assert text.startswith(f"Job {job['job_id']}: ") and text.endswith(" left"), text
-            page.get_by_text("save your notebooks").first.wait_for(timeout=90_000)  # the warning, at 60 s left
-        finally:
-            browser.close()
+    with signed_in_page(hub.url, alice.name, hub.password_of(alice.name), timeout_ms=30_000) as page:
+        page.goto(f"{hub.url}/user/{alice.name}/lab")
+        item = page.locator(".scalelab-walltime")
+        item.wait_for(timeout=90_000)
+        page.wait_for_function("document.querySelector('.scalelab-walltime').textContent.includes('left')",
+                               timeout=30_000)
+        text = item.inner_text()
+        assert text.startswith(f"Job {job['job_id']}: ") and text.endswith(" left"), text
+        page.get_by_text("save your notebooks").first.wait_for(timeout=90_000)  # the warning, at 60 s left
 
 
 @pytest.mark.slurm

@@ -297,25 +297,10 @@ def test_the_dashboard_button_warms_and_shows_each_student(hub, people):
 @pytest.mark.slow
 def test_the_warm_button_in_a_browser(hub):
     # the page's Content-Security-Policy (no scripts) still lets its form post; the result page lists each student
-    from playwright.sync_api import sync_playwright
-    from test_hub_browser import CHROMIUM_ARGS
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(f"{hub.url}/hub/login")
-            page.fill("input[name=username]", hub.user("prof"))
-            page.fill("input[name=password]", hub.admin_password)
-            page.click("#login_submit")
-            page.wait_for_load_state()
-            page.goto(f"{hub.url}/services/dashboard/")
-            page.click("form#warm button")
-            page.wait_for_selector("table#warm-results")
-            text = page.inner_text("table#warm-results")
-            assert hub.user("ann") in text and hub.user("eve") in text and "failed" in text, text
-        except Exception:
-            page.screenshot(path=str(hub.workdir / "warm-failure.png"))
-            raise
-        finally:
-            browser.close()
+    from browser import signed_in_page
+    with signed_in_page(hub.url, hub.user("prof"), hub.admin_password, hub.workdir / "warm-failure.png") as page:
+        page.goto(f"{hub.url}/services/dashboard/")
+        page.click("form#warm button")
+        page.wait_for_selector("table#warm-results")
+        text = page.inner_text("table#warm-results")
+        assert hub.user("ann") in text and hub.user("eve") in text and "failed" in text, text

@@ -358,17 +358,17 @@ def nodes_hub(tmp_path_factory, nodes_cluster):
     runner.cleanup()
 
 
-@pytest.mark.slurm
-@pytest.mark.netns
-@pytest.mark.hub
-@pytest.mark.slow
+def hub_on_nodes(test):
+    """The marks of a test of the hub on the 2-node cluster."""
+    for mark in (pytest.mark.slow, pytest.mark.hub, pytest.mark.netns, pytest.mark.slurm):
+        test = mark(test)
+    return test
+
+
+@hub_on_nodes
 def test_hub_two_node_profile_serves_on_node1_and_a_cell_there_trains_across_both_nodes(nodes_hub):
     hub, work = nodes_hub
-    alice = hub.login("alice")
-    r = alice.spawn(options={"profile": "nodes2"})
-    assert r.status_code in (201, 202), r.text
-    alice.wait_ready(timeout=90)
-    [job] = [j for j in hub.jobs() if j["name"] == f"jupyter-{alice.name}"]
+    alice, job = hub.spawned("alice", "nodes2")
     assert job["nodes"] == "2" and job["state"] == "RUNNING"
     assert f"Job {job['id']} of {alice.name} serves at 10.213.0.11:" in hub.log_tail(200)  # JupyterLab on node1
     out = alice.run_cell(
@@ -383,17 +383,10 @@ def test_hub_two_node_profile_serves_on_node1_and_a_cell_there_trains_across_bot
     alice.wait_gone(timeout=60)
 
 
-@pytest.mark.slurm
-@pytest.mark.netns
-@pytest.mark.hub
-@pytest.mark.slow
+@hub_on_nodes
 def test_hub_gpu_profile_spawns_on_the_gpu_partition_with_cuda_visible_devices(nodes_hub):
     hub, _ = nodes_hub
-    bob = hub.login("bob")
-    r = bob.spawn(options={"profile": "gpu1"})
-    assert r.status_code in (201, 202), r.text
-    bob.wait_ready(timeout=90)
-    [job] = [j for j in hub.jobs() if j["name"] == f"jupyter-{bob.name}"]
+    bob, job = hub.spawned("bob", "gpu1")
     assert job["partition"] == "gpu" and "gpu:1" in job["gres"]
     out = bob.run_cell("import os, torch\nprint('CVD', os.environ.get('CUDA_VISIBLE_DEVICES'), "
                        "torch.cuda.is_available())")

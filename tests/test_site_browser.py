@@ -23,8 +23,6 @@ from scalelab.course.solutions import solution_blocks
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 # Wait for every image (lazy ones too) to load or fail, then report the ones that did not decode.
 IMAGES_JS = """async () => {
   const imgs = Array.from(document.images);
@@ -83,29 +81,25 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def crawl(site, server):
     """Open every HTML page of the site in Chromium once; what each page showed and requested."""
-    from playwright.sync_api import sync_playwright
+    from browser import chromium
 
     html = site[1]
     pages = sorted(p.relative_to(html).as_posix() for p in html.rglob("*.html")
                    if p.relative_to(html).parts[0] != "_static")
     results, outside = {}, []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.set_default_timeout(30_000)
-            page.on("request", lambda r: outside.append((page.url, r.url)) if not _local(r.url, server) else None)
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            for rel in pages:
-                errors.clear()
-                response = page.goto(server + rel, wait_until="load")
-                info = page.evaluate(PAGE_JS)
-                info.update(status=response.status if response else None, images=page.evaluate(IMAGES_JS),
-                            errors=list(errors))
-                results[rel] = info
-        finally:
-            browser.close()
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_default_timeout(30_000)
+        page.on("request", lambda r: outside.append((page.url, r.url)) if not _local(r.url, server) else None)
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        for rel in pages:
+            errors.clear()
+            response = page.goto(server + rel, wait_until="load")
+            info = page.evaluate(PAGE_JS)
+            info.update(status=response.status if response else None, images=page.evaluate(IMAGES_JS),
+                        errors=list(errors))
+            results[rel] = info
     return {"pages": results, "outside": outside, "server": server}
 
 

@@ -330,6 +330,16 @@ class HubRunner:
                 found.append(p)
         return found
 
+    def spawned(self, short: str, profile: str, timeout: float = 90) -> tuple["HubUser", dict]:
+        """`short` logged in and their server started with spawn-form profile `profile` and ready (slurm mode):
+        (the user, their server's job as `jobs` gives it)."""
+        user = self.login(short)
+        r = user.spawn(options={"profile": profile})
+        assert r.status_code in (201, 202), r.text
+        user.wait_ready(timeout=timeout)
+        [job] = [j for j in self.jobs() if j["name"] == f"jupyter-{user.name}"]
+        return user, job
+
     def jobs(self) -> list[dict]:
         """This hub's users' Slurm jobs still in squeue: [{'id','name','state','partition','reservation',...}]."""
         if self.mode != "slurm":
