@@ -19,22 +19,19 @@ from scalelab.experiments.resilience import daly_interval, young_interval
 from scalelab.train.preempt import HANDLER_ENV, Preemption
 
 
-def account(events):
-    """The reference accounting (the lab's exercise 3)."""
-    useful = lost = checkpoint = restart = unsaved = 0.0
-    fault_t = None
-    for e in events:
-        if e["type"] == "step":
-            unsaved += e["step_s"]
-        elif e["type"] == "checkpoint":
-            useful, unsaved, checkpoint = useful + unsaved, 0.0, checkpoint + e["blocked_s"]
-        elif e["type"] in ("fault", "end"):
-            lost, unsaved = lost + unsaved, 0.0
-            fault_t = e["t"] if e["type"] == "fault" and fault_t is None else fault_t
-        elif e["type"] == "start" and fault_t is not None:
-            restart, fault_t = restart + e["t"] - fault_t, None
-    return {"wall_s": events[-1]["t"] - events[0]["t"], "useful_s": useful, "lost_s": lost,
-            "checkpoint_s": checkpoint, "restart_s": restart}
+def _lab08_hidden_checks():
+    """Lab 08's hidden checks module: its `_accounted` is the grader's accounting of a faulty run's log (the
+    reference of the lab's exercise 3), tested here against the engine's own logs."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "labs" / "08_resilience" / "hidden_checks.py"
+    spec = importlib.util.spec_from_file_location("lab08_hidden_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+account = _lab08_hidden_checks()._accounted
 
 
 def test_dalys_prediction_peaks_near_youngs_interval_and_falls_off_both_ways():

@@ -121,16 +121,26 @@ def check_horovodrun() -> Check:
     return Check("horovodrun", True, path, "")
 
 
+def _version_check(name: str, missing: str, *, tool: str | None = None, why: str = "", said=None,
+                   failed_line=None) -> Check:
+    """`tool --version` runs: passed with the line `said` picks from its output (the first line by default),
+    failed with its install hint when the tool is missing (`missing`) or its --version fails (`why` in the
+    brackets, the `failed_line` of its output)."""
+    tool = tool or name
+    fix = INSTALL_HINTS[tool]
+    path = find_tool(tool)
+    if not path:
+        return Check(name, False, missing, fix)
+    rc, out = _run([path, "--version"], timeout=30)
+    line = (said or _first_line)(out)
+    if rc != 0 or not line:
+        return Check(name, False, f"{path} --version failed (exit {rc}{why}): {(failed_line or _last_line)(out)}", fix)
+    return Check(name, True, f"{line} ({path})", "")
+
+
 def check_mpi() -> Check:
     """Open MPI's `mpirun` runs."""
-    fix = INSTALL_HINTS["mpirun"]
-    path = find_tool("mpirun")
-    if not path:
-        return Check("mpirun", False, "mpirun not found on PATH", fix)
-    rc, out = _run([path, "--version"], timeout=30)
-    if rc != 0:
-        return Check("mpirun", False, f"{path} --version failed (exit {rc}): {_first_line(out)}", fix)
-    return Check("mpirun", True, f"{_first_line(out)} ({path})", "")
+    return _version_check("mpirun", "mpirun not found on PATH", failed_line=_first_line)
 
 
 def check_slurm() -> Check:
@@ -178,28 +188,14 @@ def check_slurm_cluster() -> Check:
 
 def check_chp() -> Check:
     """configurable-http-proxy (JupyterHub's proxy) runs and says its version."""
-    fix = INSTALL_HINTS["configurable-http-proxy"]
-    path = find_tool("configurable-http-proxy")
-    if not path:
-        return Check("configurable-http-proxy", False, f"not found on PATH or in {venv_bin()}", fix)
-    rc, out = _run([path, "--version"], timeout=30)
-    if rc != 0:
-        return Check("configurable-http-proxy", False,
-                     f"{path} --version failed (exit {rc}; node missing from PATH?): {_last_line(out)}", fix)
-    return Check("configurable-http-proxy", True, f"{_first_line(out)} ({path})", "")
+    return _version_check("configurable-http-proxy", f"not found on PATH or in {venv_bin()}",
+                          why="; node missing from PATH?")
 
 
 def check_chromium() -> Check:
     """Debian's chromium, the browser the browser tests drive through playwright."""
-    fix = INSTALL_HINTS["chromium"]
-    path = find_tool("chromium")
-    if not path:
-        return Check("chromium", False, "chromium not found on PATH", fix)
-    rc, out = _run([path, "--version"], timeout=30)
-    line = next((x for x in out.splitlines() if x.startswith("Chromium")), "")
-    if rc != 0 or not line:
-        return Check("chromium", False, f"{path} --version failed (exit {rc}): {_last_line(out)}", fix)
-    return Check("chromium", True, f"{line} ({path})", "")
+    return _version_check("chromium", "chromium not found on PATH",
+                          said=lambda out: next((x for x in out.splitlines() if x.startswith("Chromium")), ""))
 
 
 def check_playwright() -> Check:

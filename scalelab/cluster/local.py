@@ -342,7 +342,8 @@ class LocalCluster:
 
     def _wait_usable(self, deadline: float) -> None:
         """Wait until the node is usable; resume it once if slurmctld kept it DOWN/DRAINED from an earlier run."""
-        resumed, nodes = False, []
+        resumed: set[str] = set()
+        nodes: list[dict] = []
         while time.monotonic() < deadline:
             for d, pid in self._running().items():
                 if not pid:
@@ -352,15 +353,20 @@ class LocalCluster:
                 nodes = self._nodes()
                 if self._usable(nodes):
                     return
-                states = [n.get("State", "") for n in nodes]
-                if not resumed and any(("DRAIN" in s or s.startswith("DOWN")) and "NOT_RESPONDING" not in s
-                                       for s in states):
-                    self.run("scontrol", "update", f"NodeName={nodes[0]['NodeName']}", "State=RESUME", check=False)
-                    resumed = True
+                self._resume_kept_down(nodes, resumed)
             time.sleep(0.2)
-        found = "; ".join(f"{n.get('NodeName')}: {n.get('State')} {n.get('Reason', '')}".strip() for n in nodes)
-        raise ClusterError(f"the node did not become usable in time (found {found or 'no node'}); see "
+        raise ClusterError(f"the node did not become usable in time (found {_described(nodes)}); see "
                            f"`SLURM_CONF={self.conf_path} scontrol show node` and {self.paths.slurmd_log}")
+
+    def _resume_kept_down(self, nodes: list[dict], resumed: set[str]) -> None:
+        """Resume, once each, the nodes slurmctld kept DOWN or DRAINED from an earlier run (not one whose slurmd does
+        not answer: resuming cannot help it)."""
+        for n in nodes:
+            s = n.get("State", "")
+            if n["NodeName"] not in resumed and ("DRAIN" in s or s.startswith("DOWN")) \
+                    and "NOT_RESPONDING" not in s and not s.endswith("*"):
+                self.run("scontrol", "update", f"NodeName={n['NodeName']}", "State=RESUME", check=False)
+                resumed.add(n["NodeName"])
 
     def _probe(self, deadline: float) -> None:
         """Run one tiny job through slurmctld, slurmd and slurmstepd: the proof that sbatch/srun work."""
@@ -518,6 +524,12 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
+
+
+def _described(nodes: list[dict]) -> str:
+    """Each node's name, state and reason, for an error message."""
+    return "; ".join(f"{n.get('NodeName')}: {n.get('State')} {n.get('Reason', '')}".strip() for n in nodes) \
+        or "no node"
 
 
 def _tail(path: Path, lines: int = 5) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import netns
 from .conf import detect_machine, hosts_text, multinode_conf_text, parse_scontrol, summarise
-from .local import LocalCluster, _zombie, default_state_dir
+from .local import LocalCluster, _described, _zombie, default_state_dir
 from ..errors import ClusterError
 from ..run.procs import kill_processes
 
@@ -243,15 +243,9 @@ class NodesCluster(LocalCluster):
                 nodes = []
             if len(nodes) == self.nodes and self._usable(nodes):
                 return
-            for n in nodes:
-                s = n.get("State", "")
-                if n["NodeName"] not in resumed and ("DRAIN" in s or s.startswith("DOWN")) \
-                        and "NOT_RESPONDING" not in s and not s.endswith("*"):
-                    self.run("scontrol", "update", f"NodeName={n['NodeName']}", "State=RESUME", check=False)
-                    resumed.add(n["NodeName"])
+            self._resume_kept_down(nodes, resumed)
             time.sleep(0.3)
-        found = "; ".join(f"{n.get('NodeName')}: {n.get('State')} {n.get('Reason', '')}".strip() for n in nodes)
-        raise ClusterError(f"the nodes did not all become usable in time (found {found or 'no node'}); see "
+        raise ClusterError(f"the nodes did not all become usable in time (found {_described(nodes)}); see "
                            f"`SLURM_CONF={self.conf_path} scontrol show node` and {self.log_dir}/slurmd-*.log")
 
     def _probe_all(self, deadline: float) -> None:
