@@ -218,69 +218,82 @@ def simulate(trace: list[Job], nodes: int, policy: str = "reactive", links: int 
     says whether to submit the next link now; at the latest it is submitted when its predecessor ends.
     policy "replay": link i >= 1 is submitted at `submit_at[i - 1]` (or when its predecessor starts, if later)."""
     _check(policy, priority, links, link_nodes, nodes, decide, submit_at)
-    slack = link_hours / 2 if slack_h is None else slack_h
     sim = Simulator(nodes, priority)
     for bg in trace:
         sim.at(bg.submit, sim.submit, Job(bg.id, bg.submit, bg.nodes, bg.runtime, bg.walltime))
-    ids = iter(range(10 ** 9, 2 * 10 ** 9))
-    chain: list[Job] = []  # every chain job, failed predictive tries included
-    ready = {}             # link -> when its predecessor's checkpoint exists (its end)
+    chain = _Chain(sim, policy, links, link_hours, link_nodes, window_h, quantile,
+                   link_hours / 2 if slack_h is None else slack_h, decide, poll_h, submit_at)
+    sim.on_start, sim.on_end = chain.on_start, chain.on_end
+    sim.at(chain_start_h, chain.start)
+    sim.run()
+    return chain_figures(chain.jobs, links, link_hours, chain_start_h, policy)
 
-    def link_job(i: int, after: int | None = None, walltime: float = link_hours) -> Job:
-        job = Job(next(ids), sim.now, link_nodes, link_hours, walltime, after=after, link=i)
-        chain.append(job)
+
+class _Chain:
+    """One job chain in a `Simulator`: its links submitted as `policy` says, as the simulation calls back."""
+
+    def __init__(self, sim: Simulator, policy: str, links: int, link_hours: float, link_nodes: int, window_h: float,
+                 quantile: float, slack: float, decide, poll_h: float, submit_at: list[float] | None):
+        self.sim, self.policy, self.links, self.link_hours, self.link_nodes = sim, policy, links, link_hours, link_nodes
+        self.window_h, self.quantile, self.slack, self.decide, self.poll_h = window_h, quantile, slack, decide, poll_h
+        self.submit_at = submit_at
+        self.ids = iter(range(10 ** 9, 2 * 10 ** 9))
+        self.jobs: list[Job] = []  # every chain job, failed predictive tries included
+        self.ready: dict[int, float] = {}  # link -> when its predecessor's checkpoint exists (its end)
+
+    def link_job(self, i: int, after: int | None = None, walltime: float | None = None) -> Job:
+        job = Job(next(self.ids), self.sim.now, self.link_nodes, self.link_hours,
+                  self.link_hours if walltime is None else walltime, after=after, link=i)
+        self.jobs.append(job)
         return job
 
-    def submit_predictive(i: int) -> None:
-        sim.submit(link_job(i, walltime=link_hours + slack))
+    def submit_predictive(self, i: int) -> None:
+        self.sim.submit(self.link_job(i, walltime=self.link_hours + self.slack))
 
-    def on_start(job: Job) -> None:
+    def on_start(self, job: Job) -> None:
         if job.link is None:
             return
-        i = job.link
-        wait = ready.get(i, job.start) - job.start  # > 0: started before the predecessor's checkpoint
-        if wait > slack:
-            job.runtime, job.gave_up = slack, True  # exits; resubmitted with afterok when it does
+        sim, i = self.sim, job.link
+        wait = self.ready.get(i, job.start) - job.start  # > 0: started before the predecessor's checkpoint
+        if wait > self.slack:
+            job.runtime, job.gave_up = self.slack, True  # exits; resubmitted with afterok when it does
             return
-        job.runtime = max(wait, 0.0) + link_hours
-        ready[i + 1] = job.start + job.runtime
-        if policy == "predictive" and i + 1 < links:
-            t = max(sim.now, ready[i + 1] - predicted_wait(sim, window_h, link_nodes, quantile))
-            sim.at(t, submit_predictive, i + 1)
-        elif policy == "decide" and i + 1 < links:
-            sim.at(sim.now, poll, i + 1)
-        elif policy == "replay" and i + 1 < links:
-            sim.at(max(sim.now, submit_at[i]), submit_predictive, i + 1)
+        job.runtime = max(wait, 0.0) + self.link_hours
+        self.ready[i + 1] = job.start + job.runtime
+        if i + 1 >= self.links:
+            return
+        if self.policy == "predictive":
+            t = max(sim.now, self.ready[i + 1] - predicted_wait(sim, self.window_h, self.link_nodes, self.quantile))
+            sim.at(t, self.submit_predictive, i + 1)
+        elif self.policy == "decide":
+            sim.at(sim.now, self.poll, i + 1)
+        elif self.policy == "replay":
+            sim.at(max(sim.now, self.submit_at[i]), self.submit_predictive, i + 1)
 
-    def poll(i: int) -> None:
-        if sim.now >= ready[i] or decide(QueueView(sim, ready[i], link_nodes, window_h)):
-            submit_predictive(i)
+    def poll(self, i: int) -> None:
+        sim = self.sim
+        if sim.now >= self.ready[i] or self.decide(QueueView(sim, self.ready[i], self.link_nodes, self.window_h)):
+            self.submit_predictive(i)
         else:
-            sim.at(min(sim.now + poll_h, ready[i]), poll, i)
+            sim.at(min(sim.now + self.poll_h, self.ready[i]), self.poll, i)
 
-    def on_end(job: Job) -> None:
+    def on_end(self, job: Job) -> None:
         if job.link is None:
             return
         if job.gave_up:
-            prev = next(j for j in reversed(chain) if j.link == job.link - 1 and not j.gave_up)
-            sim.submit(link_job(job.link, after=prev.id))
-        elif policy == "reactive" and job.link + 1 < links:
-            sim.submit(link_job(job.link + 1))
+            prev = next(j for j in reversed(self.jobs) if j.link == job.link - 1 and not j.gave_up)
+            self.sim.submit(self.link_job(job.link, after=prev.id))
+        elif self.policy == "reactive" and job.link + 1 < self.links:
+            self.sim.submit(self.link_job(job.link + 1))
 
-    sim.on_start, sim.on_end = on_start, on_end
-
-    def start_chain() -> None:
-        first = link_job(0, walltime=link_hours)
-        sim.submit(first)
-        if policy == "afterok":
+    def start(self) -> None:
+        first = self.link_job(0)
+        self.sim.submit(first)
+        if self.policy == "afterok":
             prev = first
-            for i in range(1, links):
-                prev = link_job(i, after=prev.id)
-                sim.submit(prev)
-
-    sim.at(chain_start_h, start_chain)
-    sim.run()
-    return chain_figures(chain, links, link_hours, chain_start_h, policy)
+            for i in range(1, self.links):
+                prev = self.link_job(i, after=prev.id)
+                self.sim.submit(prev)
 
 
 def chain_figures(chain: list[Job], links: int, link_hours: float, chain_start_h: float, policy: str) -> dict:

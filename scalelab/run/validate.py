@@ -263,6 +263,22 @@ def _set(spec, key, value):
 
 
 def _cross_checks(spec) -> None:
+    """Fields that must agree with each other, checked in this order (the first disagreement is the error)."""
+    _placement_checks(spec)
+    _optim_model_checks(spec)
+    resilience_checks(spec)
+    _data_checks(spec)
+    fsdp_checks(spec)
+    kfac_checks(spec)
+    mesh_checks(spec)
+    profile_checks(spec)
+    _memory_checks(spec)
+    gpt_checks(spec)
+    _update_checks(spec)
+
+
+def _placement_checks(spec) -> None:
+    """The data file, and where and how the ranks run: nodes and launcher, strategy, backend, device, precision."""
     if spec.data.source == "path":
         if not spec.data.path:
             raise SpecError("data.path", "is empty but data.source is 'path'; give a .npz file with arrays x and y")
@@ -287,6 +303,10 @@ def _cross_checks(spec) -> None:
             raise SpecError("backend", f"got 'gloo' with device 'cuda': {why}; use backend=nccl or auto (a GPU per rank), or device=cpu")
     if spec.precision == "fp16" and spec.device == "cpu":
         raise SpecError("precision", "got 'fp16' with device 'cpu'; CPU autocast supports bf16: use precision=bf16")
+
+
+def _optim_model_checks(spec) -> None:
+    """The communication hook, the warm-up and the transformer's patches."""
     if spec.optim.comm_hook != "allreduce" and spec.strategy != "ddp":
         raise SpecError("optim.comm_hook", f"got {spec.optim.comm_hook!r} with strategy {spec.strategy!r}; a "
                                            "communication hook is DDP's: set strategy=ddp or comm_hook=allreduce")
@@ -298,7 +318,10 @@ def _cross_checks(spec) -> None:
     if spec.model.name == "transformer" and spec.data.source == "heat" and spec.data.size % 4:
         raise SpecError("data.size", f"got {spec.data.size}; the transformer cuts 4x4 patches, so it must be a "
                                      "multiple of 4")
-    resilience_checks(spec)
+
+
+def _data_checks(spec) -> None:
+    """The injected fault's rank and the data's size, format and storage server."""
     if spec.fault.kind != "none" and spec.fault.rank >= spec.world_size:
         raise SpecError("fault.rank", f"got {spec.fault.rank}, but the run has {spec.world_size} ranks (0.."
                                       f"{spec.world_size - 1})")
@@ -315,16 +338,19 @@ def _cross_checks(spec) -> None:
     if spec.data.server and spec.data.format == "memory":
         raise SpecError("data.server", f"got {spec.data.server!r}, but data.format is 'memory': a storage server "
                                        "serves a layout on disk; set data.format to files, shards or hdf5")
-    fsdp_checks(spec)
-    kfac_checks(spec)
-    mesh_checks(spec)
-    profile_checks(spec)
+
+
+def _memory_checks(spec) -> None:
+    """Activation checkpointing exists for the transformer and the gpt only."""
     if spec.model.activation_checkpointing and spec.model.name not in ("transformer", "gpt"):
         raise SpecError("model.activation_checkpointing", f"is implemented for the transformer's encoder layers "
                                                           f"and the gpt's blocks, not model.name="
                                                           f"{spec.model.name!r}: set model.name=transformer or gpt, "
                                                           "or activation_checkpointing=false")
-    gpt_checks(spec)
+
+
+def _update_checks(spec) -> None:
+    """The fused AdamW update, sharded checkpoints and the digits' classes."""
     if spec.optim.fused and spec.optim.name != "adamw":
         raise SpecError("optim.fused", f"got true with optim.name={spec.optim.name!r}; the fused update is AdamW's: "
                                        "set optim.name=adamw or optim.fused=false")
@@ -333,6 +359,8 @@ def _cross_checks(spec) -> None:
                                            "checkpoint needs torch.distributed ranks: use strategy=ddp or mode=async")
     if spec.data.source == "digits" and spec.data.classes != type(spec.data).classes and spec.data.classes != 10:
         raise SpecError("data.classes", f"got {spec.data.classes}; digits has 10 classes (leave it at the default)")
+
+
 
 
 def gpt_checks(spec) -> None:
