@@ -124,19 +124,49 @@ def faulty_run(run_dir, interval_s: float, *, total_steps: int | None = None, wi
         torch.set_num_threads(threads)
 
 
-def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, window_s, mtbf_s, restart_s, seed,
-           step_s, fsync):
-    next_fault = rng.expovariate(1 / mtbf_s)
-    faults = checkpoints = 0
+class _Faults:
+    """Faults struck at exponentially spaced moments (mean `mtbf_s`) since `t0`; `struck()` looks once."""
 
-    def struck() -> bool:  # a fault since the last look? (the next one is drawn from the one that struck)
-        nonlocal next_fault, faults
-        if time.perf_counter() - t0 < next_fault:
+    def __init__(self, rng, mtbf_s: float, t0: float):
+        self.rng, self.mtbf_s, self.t0 = rng, mtbf_s, t0
+        self.next = rng.expovariate(1 / mtbf_s)
+        self.count = 0
+
+    def struck(self) -> bool:
+        """A fault since the last look? (the next one is drawn from the one that struck)"""
+        if time.perf_counter() - self.t0 < self.next:
             return False
-        next_fault += rng.expovariate(1 / mtbf_s)
-        faults += 1
+        self.next += self.rng.expovariate(1 / self.mtbf_s)
+        self.count += 1
         return True
 
+
+def _write(model, opt, step: int, ballast, tmp, fsync: bool) -> None:
+    """The checkpoint, written to `tmp` (renamed into place by the caller when no fault struck meanwhile)."""
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "ballast": ballast}, tmp)
+    if fsync:
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+def _restarted(seed: int, ckpt, restart_s: float):
+    """After a fault: the restart's cost waited out, new objects, the newest checkpoint from disk. (model, opt, step)"""
+    r0 = time.perf_counter()
+    while time.perf_counter() - r0 < restart_s:
+        time.sleep(min(0.005, restart_s))
+    model, opt = _model(seed)
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    return model, opt, step
+
+
+def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, window_s, mtbf_s, restart_s, seed,
+           step_s, fsync):
+    faults, checkpoints = _Faults(rng, mtbf_s, t0), 0
     model, opt = _model(seed)
     step, work = 0, 0.0  # steps done (in memory), seconds of work since the last checkpoint
     log.emit("start", start_step=0)
@@ -153,15 +183,11 @@ def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, w
         took = time.perf_counter() - s0
         work += took
         log.emit("step", step=step, step_s=took, loss=loss.item())
-        lost = struck()
+        lost = faults.struck()
         if not lost and (step == total_steps or work >= interval_s):  # the last one: the trained model saved
             c0 = time.perf_counter()
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "ballast": ballast}, tmp)
-            if fsync:
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            lost = struck()
+            _write(model, opt, step, ballast, tmp, fsync)
+            lost = faults.struck()
             if lost:  # struck while writing: never renamed into place
                 tmp.unlink(missing_ok=True)
             else:
@@ -169,26 +195,18 @@ def _train(run_dir, log, ckpt, tmp, ballast, rng, t0, interval_s, total_steps, w
                 checkpoints += 1
                 work = 0.0
                 log.emit("checkpoint", step=step, blocked_s=time.perf_counter() - c0)
-        while lost:  # the model in memory is gone: new objects, the newest checkpoint from disk
+        while lost:  # the model in memory is gone
             log.emit("fault", step=step)
-            r0 = time.perf_counter()
-            while time.perf_counter() - r0 < restart_s:
-                time.sleep(min(0.005, restart_s))
-            model, opt = _model(seed)
-            step, work = 0, 0.0
-            if ckpt.exists():
-                state = torch.load(ckpt, weights_only=True)
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
-                step = state["step"]
-            lost = struck()
+            model, opt, step = _restarted(seed, ckpt, restart_s)
+            work = 0.0
+            lost = faults.struck()
             if not lost:
                 log.emit("start", start_step=step)
     log.emit("end", step=step)
     log.close()
     for p in (ckpt, tmp):
         p.unlink(missing_ok=True)
-    return {"run_dir": str(run_dir), "log": str(run_dir / LOG), "faults": faults, "checkpoints": checkpoints,
+    return {"run_dir": str(run_dir), "log": str(run_dir / LOG), "faults": faults.count, "checkpoints": checkpoints,
             "wall_s": time.perf_counter() - t0}
 
 
