@@ -142,28 +142,12 @@ def preempt_with_handler(spec, handler: str, rank: int = 1, after_step: int = 5,
     Returns status (the signalled run's), step (rank 0's preempted step, or None), preempted (each rank's step),
     signal_rank0, start_step (the relaunch's), resumed (its status), resumed_losses, code (file: sha256 of the
     start events), run_dir and error (None, or what went wrong: "not implemented yet" for an unsolved exercise)."""
-    import shutil
-    from pathlib import Path
-
     from ..launch import launch
-    from ..run.user_code import CODE_DIR
     from ..train.preempt import HANDLER_ENV
-    module = handler.partition(":")[0]
-    src = Path(f"{module}.py")
-    if not src.is_file():
-        raise FileNotFoundError(f"{src.resolve()}: write the handler's module beside the notebook first")
-    run_dir = Path(spec.output_dir).resolve()
-    (run_dir / CODE_DIR).mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, run_dir / CODE_DIR / src.name)  # before the ranks start: they import it from there
+    run_dir = _ship_handler(spec, handler)
     env = {**os.environ, HANDLER_ENV: handler}
     out = {"status": None, "step": None, "preempted": {}, "signal_rank0": None, "start_step": None,
            "resumed": None, "resumed_losses": None, "code": {}, "run_dir": str(run_dir), "error": None}
-
-    def errors(run) -> str | None:
-        errs = [e for e in run.events() if e["type"] == "error"]
-        if any(e["error"] == "NotImplementedError" for e in errs):
-            return f"not implemented yet: {handler} (exercise)"
-        return f"rank {errs[0]['rank']}: {errs[0]['error']}: {errs[0]['message'][:200]}" if errs else None
 
     run = launch(spec, env=env)
     try:
@@ -172,7 +156,7 @@ def preempt_with_handler(spec, handler: str, rank: int = 1, after_step: int = 5,
         out["status"] = first["status"]
     except (RunFailed, TimeoutError) as e:
         run.stop()
-        out.update(status=run.status, error=errors(run) or f"{type(e).__name__}: {str(e)[:300]}")
+        out.update(status=run.status, error=_handler_error(run, handler) or f"{type(e).__name__}: {str(e)[:300]}")
     events = run.events()
     stops = {e["rank"]: e for e in events if e["type"] == "preempted"}
     out["preempted"] = {str(r): e["step"] for r, e in sorted(stops.items())}
@@ -188,10 +172,34 @@ def preempt_with_handler(spec, handler: str, rank: int = 1, after_step: int = 5,
         out.update(resumed=resumed["status"], resumed_losses=resumed["loss_curve"])
     except (RunFailed, TimeoutError) as e:
         resumed_run.stop()
-        out.update(resumed=resumed_run.status, error=errors(resumed_run) or f"{type(e).__name__}: {str(e)[:300]}")
+        out.update(resumed=resumed_run.status, error=_handler_error(resumed_run, handler) or f"{type(e).__name__}: {str(e)[:300]}")
     start = [e for e in resumed_run.events() if e["type"] == "start" and e["rank"] == 0]
     out["start_step"] = start[-1]["start_step"] if start else None
     return out
+
+
+def _ship_handler(spec, handler: str):
+    """The handler's module (beside the notebook) copied into the run's code/ folder before the ranks start: they
+    import it from there. The run folder."""
+    import shutil
+    from pathlib import Path
+
+    from ..run.user_code import CODE_DIR
+    src = Path(f"{handler.partition(':')[0]}.py")
+    if not src.is_file():
+        raise FileNotFoundError(f"{src.resolve()}: write the handler's module beside the notebook first")
+    run_dir = Path(spec.output_dir).resolve()
+    (run_dir / CODE_DIR).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, run_dir / CODE_DIR / src.name)
+    return run_dir
+
+
+def _handler_error(run, handler: str) -> str | None:
+    """What the run's error events say: an unsolved exercise, the first rank's error, or None."""
+    errs = [e for e in run.events() if e["type"] == "error"]
+    if any(e["error"] == "NotImplementedError" for e in errs):
+        return f"not implemented yet: {handler} (exercise)"
+    return f"rank {errs[0]['rank']}: {errs[0]['error']}: {errs[0]['message'][:200]}" if errs else None
 
 
 def slurm_preempt(spec, after_step: int, timeout: float = 600) -> dict:

@@ -83,14 +83,7 @@ def spread_rank(out: str, tag: str, spread: bool = True, cache: str = "none", ep
     cache_dir = root / (f"cache-{tag}-node{node}" if cache == "node" else f"cache-{tag}-rank{rank}")
     server, staged = None, {"shards": 0, "bytes": 0, "reads": 0}
     if lead:  # the node's first rank stages its partition, starts its server, clears the node's cache
-        node_cache_dir(root)
-        if spread:
-            staged = stage_partition(index, node, node_cache_dir(node_dir), shared)
-            if nodes > 1:
-                server = PeerServer(index.shards_of(node), node, node_dir, host=_address(bind),
-                                    secret=secret).start()
-                _write_json(run / "peers" / f"node{node}.json", {"host": host, "addr": server.host,
-                                                                  "port": server.port})
+        server, staged = _stage_and_serve(index, node, nodes, root, node_dir, shared, run, host, bind, secret)
     if cache != "none" and (lead or cache == "private"):
         shutil.rmtree(cache_dir, ignore_errors=True)  # a cache starts empty: epoch 1 must earn its hits
         node_cache_dir(cache_dir)
@@ -110,11 +103,7 @@ def spread_rank(out: str, tag: str, spread: bool = True, cache: str = "none", ep
         for epoch, samples in enumerate(order):
             shared.tag = f"epoch-{epoch}"  # a storage server logs it with each request
             before, t0 = reader.counters.snapshot(), time.perf_counter()
-            for i, raw in _reads(reader, samples, lookahead):
-                if decode:
-                    decode_augment(raw, index.meta, np.random.default_rng([seed, epoch, int(i)]))
-                if compute_s:
-                    time.sleep(compute_s)
+            _read_epoch(reader, index, samples, lookahead, decode, compute_s, seed, epoch)
             seconds = time.perf_counter() - t0
             for i, source, peer, nbytes in reader.counters.drain():
                 events.write({"type": "read", "rank": rank, "host": host, "epoch": epoch, "sample": i,
@@ -134,15 +123,46 @@ def spread_rank(out: str, tag: str, spread: bool = True, cache: str = "none", ep
         if server is not None:
             server.close()
             _Events(run / "events" / f"server-node{node}.jsonl").write({"type": "served", **server.summary()})
-        if lead and cache != "none" or cache == "private":
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        if lead and cleanup and node_dir is not None:
-            shutil.rmtree(node_dir, ignore_errors=True)
-            try:
-                root.rmdir()  # the last node folder of this run gone: its folder too
-            except OSError:
-                pass
+        _clean_up(root, node_dir, cache_dir, lead and cache != "none" or cache == "private", lead and cleanup)
     return {"rank": rank, "host": host, "node": node, "staged": staged, "epochs": rows}
+
+
+def _stage_and_serve(index, node: int, nodes: int, root: Path, node_dir: Path | None, shared, run: Path, host: str,
+                     bind: str, secret: bytes):
+    """The node's first rank: the node's folder made, and when spreading, its partition staged from the shared
+    file system and (with other nodes) a peer server for it started and announced. (the server or None, staged)"""
+    server, staged = None, {"shards": 0, "bytes": 0, "reads": 0}
+    node_cache_dir(root)
+    if node_dir is not None:
+        staged = stage_partition(index, node, node_cache_dir(node_dir), shared)
+        if nodes > 1:
+            server = PeerServer(index.shards_of(node), node, node_dir, host=_address(bind), secret=secret).start()
+            _write_json(run / "peers" / f"node{node}.json", {"host": host, "addr": server.host, "port": server.port})
+    return server, staged
+
+
+def _read_epoch(reader, index, samples, lookahead: int, decode: bool, compute_s: float, seed: int,
+                epoch: int) -> None:
+    """One epoch's samples through the read path, each decoded and augmented and followed by `compute_s` of
+    simulated compute when asked."""
+    for i, raw in _reads(reader, samples, lookahead):
+        if decode:
+            decode_augment(raw, index.meta, np.random.default_rng([seed, epoch, int(i)]))
+        if compute_s:
+            time.sleep(compute_s)
+
+
+def _clean_up(root: Path, node_dir: Path | None, cache_dir: Path, cache: bool, staged: bool) -> None:
+    """The rank's cache (`cache`: its own, or the node's for its first rank), and with `staged` the node's staged
+    partition and, once the last node's is gone, the run's folder of them."""
+    if cache:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    if staged and node_dir is not None:
+        shutil.rmtree(node_dir, ignore_errors=True)
+        try:
+            root.rmdir()  # the last node folder of this run gone: its folder too
+        except OSError:
+            pass
 
 
 class ServerStore:
