@@ -164,89 +164,108 @@ class OrderAwarePrefetcher:
             return self.dataset.decode(raw)
 
     def __iter__(self):
-        order, nxt = self.order, self._nxt
-        cache: dict[int, Any] = {}
-        need_at: dict[int, int] = {}  # cached or in-flight item -> position of its next use
-        inflight: set[int] = set()
-        cond = threading.Condition()
-        state = {"pos": 0, "scan": 0, "stop": False}
-
-        def claim():  # under cond: the next position to fetch, or None to wait
-            state["scan"] = max(state["scan"], state["pos"])  # positions already consumed need nothing
-            while state["scan"] < min(len(order), state["pos"] + self.lookahead):
-                t = state["scan"]
-                state["scan"] += 1
-                item = int(order[t])
-                if item in cache or item in inflight:
-                    need_at[item] = min(need_at.get(item, NEVER), t)
-                    continue
-                if len(cache) + len(inflight) >= self.capacity and not _evict_for(t):
-                    state["scan"] -= 1  # full of items needed sooner: wait for the consumer to move on
-                    return None
-                inflight.add(item)
-                need_at[item] = t
-                return item
-            return None
-
-        def _evict_for(t):
-            victims = [i for i in cache if need_at.get(i, NEVER) > t]
-            if not victims:
-                return False
-            victim = max(victims, key=lambda i: need_at.get(i, NEVER))
-            del cache[victim]
-            need_at.pop(victim, None)
-            self.stats["evictions"] += 1
-            return True
-
-        def work(name):
-            while True:
-                with cond:
-                    item = claim()
-                    while item is None and not state["stop"]:
-                        cond.wait(0.05)
-                        item = claim()
-                    if state["stop"]:
-                        return
-                value = self._fetch(name, item)
-                with cond:
-                    inflight.discard(item)
-                    cache[item] = value
-                    self.stats["fetches"] += 1
-                    self.trace.level(len(cache))
-                    cond.notify_all()
-
-        threads = [threading.Thread(target=work, args=(f"reader-{k}",), daemon=True) for k in range(self.workers)]
+        one = _Pass(self)
+        threads = [threading.Thread(target=one.work, args=(f"reader-{k}",), daemon=True) for k in range(self.workers)]
         for th in threads:
             th.start()
         try:
-            for t, item in enumerate(order.tolist()):
+            for t, item in enumerate(self.order.tolist()):
                 start = self.trace.now()
-                with cond:
-                    hit = item in cache
-                    while item not in cache:
-                        cond.wait()
-                    value = cache[item]
-                    following = int(nxt[t])
-                    if following == NEVER:
-                        del cache[item]
-                        need_at.pop(item, None)
-                    else:
-                        need_at[item] = following
-                    state["pos"] = t + 1
-                    self.stats["hits" if hit else "misses"] += 1
-                    self.trace.level(len(cache))
-                    cond.notify_all()
+                value, hit = one.take(t, item, int(self._nxt[t]))
                 if not hit:
                     self.trace.add("consumer", "wait", start, self.trace.now(), item)
                 start = self.trace.now()
                 yield value, self.dataset.labels[item]
                 self.trace.add("consumer", "consume", start, self.trace.now(), item)
         finally:
-            with cond:
-                state["stop"] = True
-                cond.notify_all()
+            one.close()
             for th in threads:
                 th.join(timeout=10)
+
+
+class _Pass:
+    """One pass of an OrderAwarePrefetcher over its order: the cache, what the readers have in flight and the
+    consumer's position, all under one condition."""
+
+    def __init__(self, owner: OrderAwarePrefetcher):
+        self.owner, self.order = owner, owner.order
+        self.cache: dict[int, Any] = {}
+        self.need_at: dict[int, int] = {}  # cached or in-flight item -> position of its next use
+        self.inflight: set[int] = set()
+        self.cond = threading.Condition()
+        self.pos = self.scan = 0
+        self.stop = False
+
+    def claim(self) -> int | None:
+        """Under cond: the next item to fetch, or None to wait."""
+        self.scan = max(self.scan, self.pos)  # positions already consumed need nothing
+        while self.scan < min(len(self.order), self.pos + self.owner.lookahead):
+            t = self.scan
+            self.scan += 1
+            item = int(self.order[t])
+            if item in self.cache or item in self.inflight:
+                self.need_at[item] = min(self.need_at.get(item, NEVER), t)
+                continue
+            if len(self.cache) + len(self.inflight) >= self.owner.capacity and not self._evict_for(t):
+                self.scan -= 1  # full of items needed sooner: wait for the consumer to move on
+                return None
+            self.inflight.add(item)
+            self.need_at[item] = t
+            return item
+        return None
+
+    def _evict_for(self, t: int) -> bool:
+        victims = [i for i in self.cache if self.need_at.get(i, NEVER) > t]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda i: self.need_at.get(i, NEVER))
+        del self.cache[victim]
+        self.need_at.pop(victim, None)
+        self.owner.stats["evictions"] += 1
+        return True
+
+    def work(self, name: str) -> None:
+        """A reader thread: claim, fetch, put in the cache, until the pass stops."""
+        cond = self.cond
+        while True:
+            with cond:
+                item = self.claim()
+                while item is None and not self.stop:
+                    cond.wait(0.05)
+                    item = self.claim()
+                if self.stop:
+                    return
+            value = self.owner._fetch(name, item)
+            with cond:
+                self.inflight.discard(item)
+                self.cache[item] = value
+                self.owner.stats["fetches"] += 1
+                self.owner.trace.level(len(self.cache))
+                cond.notify_all()
+
+    def take(self, t: int, item: int, following: int) -> tuple[Any, bool]:
+        """The consumer at position `t`: `item` once it is cached (kept for its next use `following`, else
+        dropped). (its value, whether it was there already)"""
+        with self.cond:
+            hit = item in self.cache
+            while item not in self.cache:
+                self.cond.wait()
+            value = self.cache[item]
+            if following == NEVER:
+                del self.cache[item]
+                self.need_at.pop(item, None)
+            else:
+                self.need_at[item] = following
+            self.pos = t + 1
+            self.owner.stats["hits" if hit else "misses"] += 1
+            self.owner.trace.level(len(self.cache))
+            self.cond.notify_all()
+        return value, hit
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
 
 
 __all__ = ["sampler_order", "reuse_distances", "next_use", "simulate_cache", "OrderAwarePrefetcher"]
