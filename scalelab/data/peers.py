@@ -99,10 +99,10 @@ class PeerServer:
                 if k not in files:
                     files[k] = os.open(self.node_dir / shard_name(k), os.O_RDONLY)
                 data = os.pread(files[k], length, offset)
-                sock.sendall(_LENGTH.pack(len(data)) + data)
-                with self._lock:
+                with self._lock:  # counted before the reply: a client holding its answer finds it in the summary
                     self.served[who]["reads"] += 1
                     self.served[who]["bytes"] += len(data)
+                sock.sendall(_LENGTH.pack(len(data)) + data)
         finally:
             for fd in files.values():
                 os.close(fd)
