@@ -258,29 +258,15 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     capped = opts.sandbox and not opts.slurm and cap_job_folder(job, opts.job_mb)  # a tmpfs here: not on a node
     try:
         result = SubmissionResult(sub.student, ctx.lab.name, sub.path.name, "ok", "")
-        problem = copy_submission(sub.path, job / "work")
-        parameters = {**settings.parameters, **(opts.parameters or {})}
-        if not problem:
-            result.notes += guard_parameters(job / "work" / NOTEBOOK, ctx.lab.path / NOTEBOOK, parameters)
-        own = sub.path.parent if sub.path.name == NOTEBOOK else None  # <student>/lab.ipynb: the folder is theirs
-        taken = working_copy(ctx.lab, job, own)
-        shipped = set(run_evidence(job / "work")[RUNS])  # runs that came with the lab are no evidence of this one
+        problem, parameters, shipped = _job_folder(ctx, sub, job, result)
         policy = SandboxPolicy(memory_mb=opts.memory_mb or settings.memory_mb,
                                network=settings.network if opts.network is None else opts.network,
                                hide=tuple(ctx.hide), cover=tuple(ctx.cover), needed=tuple(ctx.needed),
                                workdir=str(job))
-        if opts.slurm:  # planned on the grading node, inside the job (slurm_grading.main); described after it
-            plan = SandboxPlan(memory_bytes=None)
-        elif opts.sandbox:
-            plan = plan_sandbox(policy)
-        else:
-            plan = SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
-                                                         "unconfined as the grader's user"])
+        plan = _first_plan(opts, policy)
         result.sandbox = {**plan.describe(), "job_folder": (f"{opts.job_mb} MiB tmpfs" + (", copied to the "
                           "workdir's filesystem after the run" if opts.keep_workdirs else "")) if capped else
                           "on the workdir's filesystem, not capped"}
-        if taken:
-            result.notes.append(f"your own versions of {taken} were used")
 
         def execute(plan: SandboxPlan, *args, **kw) -> dict:
             if not opts.slurm:
@@ -322,6 +308,32 @@ def _grade_one(ctx: _Context, sub: Submission) -> SubmissionResult:
     return result
 
 
+def _job_folder(ctx: _Context, sub: Submission, job: Path, result: SubmissionResult) -> tuple[str, dict, set[str]]:
+    """The submission and the lab's other files copied into the job folder: (what is wrong with the submission, or
+    ""; the grading's parameters; the runs that came with the lab, which are no evidence of this one)."""
+    problem = copy_submission(sub.path, job / "work")
+    parameters = {**ctx.lab.grading.parameters, **(ctx.options.parameters or {})}
+    if not problem:
+        result.notes += guard_parameters(job / "work" / NOTEBOOK, ctx.lab.path / NOTEBOOK, parameters)
+    own = sub.path.parent if sub.path.name == NOTEBOOK else None  # <student>/lab.ipynb: the folder is theirs
+    taken = working_copy(ctx.lab, job, own)
+    shipped = set(run_evidence(job / "work")[RUNS])
+    if taken:
+        result.notes.append(f"your own versions of {taken} were used")
+    return problem, parameters, shipped
+
+
+def _first_plan(opts, policy: SandboxPolicy) -> SandboxPlan:
+    """The notebook's sandbox: planned here, or on the grading node inside its Slurm job (slurm_grading.main,
+    described after it), or none (--no-sandbox)."""
+    if opts.slurm:
+        return SandboxPlan(memory_bytes=None)
+    if opts.sandbox:
+        return plan_sandbox(policy)
+    return SandboxPlan(memory_bytes=None, notes=["sandbox switched off (--no-sandbox): the submission ran "
+                                                 "unconfined as the grader's user"])
+
+
 def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: SubmissionResult,
              shipped: set[str], started: float | None = None, parameters: dict | None = None,
              nonce: str | None = None, rerun: Callable[[list[dict]], dict] | None = None) -> None:
@@ -333,6 +345,35 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     result.status = status if status in STATUSES else "grader_error"
     result.execution = _execution_fields(outcome)
     result.notes += [cap_text(n, 500) for n in outcome.get("notes", []) if isinstance(n, str)][:10]
+    nb, records = _read_back(ctx, job, result)
+    if result.status not in ("malformed",):
+        records.update(_evidence(job, result, shipped, started, nonce))
+    if parameters is None:
+        parameters = {**ctx.lab.grading.parameters, **(ctx.options.parameters or {})}
+    result.notes += apply_parameters(records, parameters)
+    if nonce:
+        records[NONCE] = nonce
+    result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
+    reads: dict[str, list[str]] = {}
+    result.checks = run_checks(ctx.checks, records, reads)
+    _hold_runs(ctx, sub, job, records, result, reads, nonce, rerun)
+    if callable(ctx.hooks.get("standing")):
+        result.standing = leaderboard.place(ctx.hooks["standing"], records)
+    from . import report
+    try:
+        report.write_records(ctx.out, sub.student, records)
+    except (OSError, TypeError, ValueError) as e:  # a full disk, or values JSON cannot hold: the grade stands
+        result.notes.append("the values the checks ran on could not be kept for the instructor: "
+                            + cap_text(str(e), 200))
+    _explain_missing(result)
+    _score(result)
+    if nb is not None:
+        result.notebook = _store_notebook(ctx.out, sub.student, nb)
+
+
+def _read_back(ctx: _Context, job: Path, result: SubmissionResult) -> tuple[dict | None, dict[str, Any]]:
+    """The executed notebook (None when it cannot be read back) and the records it holds, the grader's namespace
+    stripped; what went wrong goes to `result.notes`."""
     records: dict[str, Any] = {}
     nb = None
     try:
@@ -350,23 +391,27 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     records, forged = strip_grader_records(records)
     if forged:
         result.notes.append(f"records in the grader's namespace were ignored: {cap_text(str(forged), 300)}")
-    if result.status not in ("malformed",):
-        try:
-            found = run_evidence(job / "work", started=started, nonce=nonce)
-            found[RUNS] = {k: v for k, v in found[RUNS].items() if k not in shipped}
-        except Exception as e:  # noqa: BLE001 - event files are written by the student's processes
-            found = {}
-            result.notes.append(f"the run's event files could not be read ({type(e).__name__}: "
-                                f"{cap_text(str(e), 200)}): checks that compare with them find no run")
-        records.update(found)
-    if parameters is None:
-        parameters = {**ctx.lab.grading.parameters, **(ctx.options.parameters or {})}
-    result.notes += apply_parameters(records, parameters)
-    if nonce:
-        records[NONCE] = nonce
-    result.message = student_message(result.status, result.execution, outcome.get("message", ""), ctx, result)
-    reads: dict[str, list[str]] = {}
-    result.checks = run_checks(ctx.checks, records, reads)
+    return nb, records
+
+
+def _evidence(job: Path, result: SubmissionResult, shipped: set[str], started: float | None,
+              nonce: str | None) -> dict:
+    """The runs' evidence in the working copy (runs that came with the lab left out); none when the event files
+    cannot be read, said in `result.notes`."""
+    try:
+        found = run_evidence(job / "work", started=started, nonce=nonce)
+        found[RUNS] = {k: v for k, v in found[RUNS].items() if k not in shipped}
+        return found
+    except Exception as e:  # noqa: BLE001 - event files are written by the student's processes
+        result.notes.append(f"the run's event files could not be read ({type(e).__name__}: "
+                            f"{cap_text(str(e), 200)}): checks that compare with them find no run")
+        return {}
+
+
+def _hold_runs(ctx: _Context, sub: Submission, job: Path, records: dict, result: SubmissionResult,
+               reads: dict, nonce: str | None, rerun: Callable[[list[dict]], dict] | None) -> None:
+    """Re-run a sample of the runs behind points and hold them to their files (`reverify.hold`), then the held-out
+    scoring (`heldout.hold`); the checks run again where either changed the records."""
     if not ctx.options.reverify:
         result.notes.append("re-verification was switched off for this grading (--no-reverify): runs whose files look "
                             "right were trusted")
@@ -377,23 +422,16 @@ def _collect(ctx: _Context, job: Path, sub: Submission, outcome: dict, result: S
     if ctx.hooks.get("heldout") and rerun is not None and result.status != "malformed" and \
             heldout.hold(ctx.hooks["heldout"], job, records, result, rerun, lambda line: _log_reverify(ctx, sub, line)):
         result.checks = run_checks(ctx.checks, records)
-    if callable(ctx.hooks.get("standing")):
-        result.standing = leaderboard.place(ctx.hooks["standing"], records)
-    from . import report
-    try:
-        report.write_records(ctx.out, sub.student, records)
-    except (OSError, TypeError, ValueError) as e:  # a full disk, or values JSON cannot hold: the grade stands
-        result.notes.append("the values the checks ran on could not be kept for the instructor: "
-                            + cap_text(str(e), 200))
+
+
+def _explain_missing(result: SubmissionResult) -> None:
+    """Each check's message capped; a missing one says why when the run did not end well."""
     for c in result.checks:
         c.message = cap_text(c.message, 2000)
         if c.outcome == "missing" and result.status == "cell_error":
             c.message += f" (a cell raised an error: {result.message[:200]})"
         elif c.outcome == "missing" and result.status != "ok":
             c.message += f" (the run stopped early: {result.status.replace('_', ' ')})"
-    _score(result)
-    if nb is not None:
-        result.notebook = _store_notebook(ctx.out, sub.student, nb)
 
 
 def _log_reverify(ctx: _Context, sub: Submission, line: str) -> None:

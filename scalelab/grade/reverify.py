@@ -279,11 +279,23 @@ def hold(settings, gated: set[str], job: Path, records: dict, result, reads: dic
     log(f"re-ran {[i['key'] for i in items]} in {took:.1f} s")
     done = {d.get("key"): d for d in outcome.get("reruns", []) if isinstance(d, dict)} \
         if isinstance(outcome.get("reruns"), list) else {}
-    marked, forged = bool(bad), []
+    marked, forged = _judge(items, done, outcome.get("status"), job, runs, result, log, took)
+    if forged:
+        _flag_all(runs, forged, result, log)
+        marked = True
+    return marked or bool(bad)
+
+
+def _judge(items: list[dict], done: dict, status, job: Path, runs: dict, result, log: Callable[[str], None],
+           took: float) -> tuple[bool, list[str]]:
+    """Each re-run (`done`: the runner's reports by key; `status`: how the re-running ended) against its run: a
+    failed or incomparable one marks its run implausible, a verified one is said in `result.notes`. (whether any was
+    marked, the runs whose losses differ)"""
+    marked, forged = False, []
     for i, item in enumerate(items):
         key, steps = item["key"], item["steps"]
         error = done.get(key, {}).get("error") if key in done else \
-            f"the re-run did not report ({cap_text(str(outcome.get('status')), 40)})"
+            f"the re-run did not report ({cap_text(str(status), 40)})"
         if error:
             runs[key] = {**runs[key], "implausible": ["the grader's re-run of this run failed, so its numbers "
                                                       "count for nothing"]}
@@ -307,18 +319,20 @@ def hold(settings, gated: set[str], job: Path, records: dict, result, reads: dic
         else:
             result.notes.append(f"the grader re-ran {key!r} for {steps} step(s) with this grading's seed: its losses "
                                 f"are the run's own (verified; re-running took {took:.0f} s)")
-    if forged:
-        why = cap_text("; ".join(forged), 400)
-        for key in list(runs):
-            if isinstance(runs[key], dict):
-                runs[key] = {**runs[key], "implausible": [f"a run of this notebook does not match the grader's re-run "
-                                                          f"of it ({why}): no run's event files are trusted"]}
-        result.notes.append(f"the grader re-ran runs of this notebook with this grading's seed and got other losses: "
-                            f"{why}. Event files that a real run of this notebook did not write count for nothing; "
-                            "this submission is flagged for the instructor")
-        log(f"FLAGGED: {why}")
-        marked = True
-    return marked
+    return marked, forged
+
+
+def _flag_all(runs: dict, forged: list[str], result, log: Callable[[str], None]) -> None:
+    """A run whose losses differ from the grader's re-run: its files were written by hand, so no run's are trusted."""
+    why = cap_text("; ".join(forged), 400)
+    for key in list(runs):
+        if isinstance(runs[key], dict):
+            runs[key] = {**runs[key], "implausible": [f"a run of this notebook does not match the grader's re-run "
+                                                      f"of it ({why}): no run's event files are trusted"]}
+    result.notes.append(f"the grader re-ran runs of this notebook with this grading's seed and got other losses: "
+                        f"{why}. Event files that a real run of this notebook did not write count for nothing; "
+                        "this submission is flagged for the instructor")
+    log(f"FLAGGED: {why}")
 
 
 __all__ = ["REVERIFY_DIR", "runs_behind_points", "eligible", "plan", "rerun_steps", "rerun_all", "step_losses",
